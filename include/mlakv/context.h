@@ -1,0 +1,31 @@
+// mlakv: how an op runs (stream, threads, error counters).
+#pragma once
+
+#include <cstdint>
+
+namespace mlakv {
+
+// Device-side error counters. An op that skips or clamps something counts it here (atomically on
+// the op's device) instead of synchronizing; the host reads the counters whenever it likes.
+enum ErrorCounter : int32_t {
+  kBadSlot = 0,         // slot >= num_blocks * block_size: cache not written (slot < 0 is padding)
+  kBadPosition = 1,     // position outside [0, max_pos): clamped into the table
+  kBadDecodeCount = 2,  // device Td outside [0, T]: clamped
+  kBadBlockIndex = 3,   // gather: block table entry outside [0, num_blocks): zeros written
+  kNumErrorCounters = 4,
+};
+const char* error_counter_name(int32_t counter);
+
+struct Context {
+  // cudaStream_t of the op (CUDA backend); nullptr is the legacy default stream. Ignored on the CPU.
+  void* stream = nullptr;
+  // Optional [kNumErrorCounters] int32 in the op's device memory (host memory for the CPU backend).
+  int32_t* error_counts = nullptr;
+  // Debug mode: synchronize after the op and throw mlakv::Error if it counted anything. Needs
+  // error_counts; reads device memory on the host, so not for CUDA-graph capture.
+  bool checked = false;
+  // CPU backend threads; 0 = all hardware threads.
+  int32_t num_threads = 0;
+};
+
+}  // namespace mlakv

@@ -1,0 +1,290 @@
+// mlakv internal: the numerics shared by the CPU and CUDA backends (DESIGN.md "Numerics").
+//
+// Everything here is plain integer/IEEE-float code that compiles for host and device and gives the
+// same bits on both: conversions are done in software (round-to-nearest-even, saturating fp8), the
+// products that must not be fused use mul_rn, divisions use div_rn. The host build must not contract
+// floating-point expressions (-ffp-contract=off) and neither build may use fast-math.
+#pragma once
+
+#include <cfloat>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__CUDACC__)
+#define MLAKV_HD __host__ __device__ __forceinline__
+#else
+#define MLAKV_HD inline
+#endif
+
+namespace mlakv {
+namespace num {
+
+// Storage types: 16-bit and 8-bit floats held as their bits.
+struct Bf16 {
+  uint16_t bits;
+};
+struct Half {
+  uint16_t bits;
+};
+struct Fp8E4M3 {
+  uint8_t bits;
+};
+struct Fp8E5M2 {
+  uint8_t bits;
+};
+
+constexpr float kE4M3Max = 448.0f;
+constexpr float kE5M2Max = 57344.0f;
+
+MLAKV_HD uint32_t float_bits(float f) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(f);
+#else
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+#endif
+}
+
+MLAKV_HD float bits_float(uint32_t u) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(u);
+#else
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+#endif
+}
+
+// Products and quotients rounded once, never contracted into an fma.
+MLAKV_HD float mul_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fmul_rn(a, b);
+#else
+  return a * b;
+#endif
+}
+MLAKV_HD float add_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fadd_rn(a, b);
+#else
+  return a + b;
+#endif
+}
+MLAKV_HD float div_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fdiv_rn(a, b);
+#else
+  return a / b;
+#endif
+}
+MLAKV_HD float sqrt_rn(float a) {
+#if defined(__CUDA_ARCH__)
+  return __fsqrt_rn(a);
+#else
+  return std::sqrt(a);
+#endif
+}
+MLAKV_HD float fma_rn(float a, float b, float c) {
+#if defined(__CUDA_ARCH__)
+  return __fmaf_rn(a, b, c);
+#else
+  return std::fma(a, b, c);
+#endif
+}
+
+// ---- bf16 ----------------------------------------------------------------------------------
+MLAKV_HD float to_float(Bf16 v) { return bits_float(static_cast<uint32_t>(v.bits) << 16); }
+
+MLAKV_HD Bf16 float_to_bf16(float f) {
+  uint32_t u = float_bits(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return Bf16{0x7fff};  // NaN -> canonical NaN
+  u += 0x7fffu + ((u >> 16) & 1u);                           // round to nearest even
+  return Bf16{static_cast<uint16_t>(u >> 16)};
+}
+
+// ---- fp16 ----------------------------------------------------------------------------------
+MLAKV_HD float to_float(Half v) {
+  const uint32_t sign = static_cast<uint32_t>(v.bits & 0x8000u) << 16;
+  const uint32_t exp = (v.bits >> 10) & 0x1fu;
+  const uint32_t mant = v.bits & 0x3ffu;
+  if (exp == 0) {
+    // Subnormal or zero: mant * 2^-24 is exact in float.
+    const float mag = static_cast<float>(mant) * 5.9604644775390625e-8f;
+    return bits_float(float_bits(mag) | sign);
+  }
+  if (exp == 0x1f) return bits_float(sign | 0x7f800000u | (mant << 13));
+  return bits_float(sign | ((exp + 112u) << 23) | (mant << 13));
+}
+
+MLAKV_HD Half float_to_half(float f) {
+  uint32_t u = float_bits(f);
+  const uint32_t sign = (u >> 16) & 0x8000u;
+  u &= 0x7fffffffu;
+  uint32_t out;
+  if (u > 0x7f800000u) {
+    out = 0x7fffu;  // NaN -> canonical NaN
+  } else if (u >= 0x47800000u) {
+    out = 0x7c00u;  // >= 65536 (and inf) -> inf
+  } else if (u < 0x38800000u) {
+    // Result subnormal or zero: adding 2^-1 puts the fp16 subnormal unit (2^-24) at the float's
+    // last mantissa bit, so the FPU's round-to-nearest-even does the rounding.
+    const float magic = 0.5f;
+    out = float_bits(bits_float(u) + magic) - float_bits(magic);
+  } else {
+    const uint32_t mant_odd = (u >> 13) & 1u;
+    u += (static_cast<uint32_t>(15 - 127) << 23) + 0xfffu + mant_odd;
+    out = u >> 13;  // a carry into the exponent rounds 65520.. up to inf, as it should
+  }
+  return Half{static_cast<uint16_t>(out | sign)};
+}
+
+// ---- fp8 (OCP) -----------------------------------------------------------------------------
+// Saturating, round-to-nearest-even; NaN -> 0x7f; +-inf and anything beyond max -> +-max.
+MLAKV_HD Fp8E4M3 float_to_e4m3(float f) {
+  uint32_t u = float_bits(f);
+  const uint32_t sign = (u >> 24) & 0x80u;
+  u &= 0x7fffffffu;
+  if (u > 0x7f800000u) return Fp8E4M3{0x7f};
+  uint32_t out;
+  if (u >= 0x43e00000u) {  // >= 448 (inf included)
+    out = 0x7eu;
+  } else if (u < 0x3c800000u) {  // < 2^-6: subnormal; 2^14's ulp is 2^-9, the e4m3 subnormal unit
+    const float magic = 16384.0f;
+    out = float_bits(bits_float(u) + magic) - float_bits(magic);
+  } else {
+    const uint32_t mant_odd = (u >> 20) & 1u;
+    u += (static_cast<uint32_t>(7 - 127) << 23) + 0x7ffffu + mant_odd;
+    out = u >> 20;
+    if (out > 0x7eu) out = 0x7eu;  // 464.. would round to 480: saturate
+  }
+  return Fp8E4M3{static_cast<uint8_t>(out | sign)};
+}
+
+MLAKV_HD Fp8E5M2 float_to_e5m2(float f) {
+  uint32_t u = float_bits(f);
+  const uint32_t sign = (u >> 24) & 0x80u;
+  u &= 0x7fffffffu;
+  if (u > 0x7f800000u) return Fp8E5M2{0x7f};
+  uint32_t out;
+  if (u >= 0x47600000u) {  // >= 57344 (inf included)
+    out = 0x7bu;
+  } else if (u < 0x38800000u) {  // < 2^-14: subnormal; 2^7's ulp is 2^-16, the e5m2 subnormal unit
+    const float magic = 128.0f;
+    out = float_bits(bits_float(u) + magic) - float_bits(magic);
+  } else {
+    const uint32_t mant_odd = (u >> 21) & 1u;
+    u += (static_cast<uint32_t>(15 - 127) << 23) + 0xfffffu + mant_odd;
+    out = u >> 21;
+    if (out > 0x7bu) out = 0x7bu;
+  }
+  return Fp8E5M2{static_cast<uint8_t>(out | sign)};
+}
+
+MLAKV_HD float to_float(Fp8E4M3 v) {
+  const uint32_t sign = static_cast<uint32_t>(v.bits & 0x80u) << 24;
+  const uint32_t exp = (v.bits >> 3) & 0xfu;
+  const uint32_t mant = v.bits & 0x7u;
+  if ((v.bits & 0x7fu) == 0x7fu) return bits_float(0x7fc00000u | sign);
+  if (exp == 0) return bits_float(float_bits(static_cast<float>(mant) * 0.001953125f) | sign);
+  return bits_float(sign | ((exp + 120u) << 23) | (mant << 20));
+}
+
+MLAKV_HD float to_float(Fp8E5M2 v) {
+  const uint32_t sign = static_cast<uint32_t>(v.bits & 0x80u) << 24;
+  const uint32_t exp = (v.bits >> 2) & 0x1fu;
+  const uint32_t mant = v.bits & 0x3u;
+  if (exp == 0x1f) return bits_float(sign | 0x7f800000u | (mant << 21));
+  if (exp == 0) return bits_float(float_bits(static_cast<float>(mant) * 1.52587890625e-5f) | sign);
+  return bits_float(sign | ((exp + 112u) << 23) | (mant << 21));
+}
+
+MLAKV_HD float to_float(float v) { return v; }
+
+// Round a float to storage type T (float: identity).
+template <typename T>
+MLAKV_HD T from_float(float f);
+template <>
+MLAKV_HD float from_float<float>(float f) {
+  return f;
+}
+template <>
+MLAKV_HD Bf16 from_float<Bf16>(float f) {
+  return float_to_bf16(f);
+}
+template <>
+MLAKV_HD Half from_float<Half>(float f) {
+  return float_to_half(f);
+}
+template <>
+MLAKV_HD Fp8E4M3 from_float<Fp8E4M3>(float f) {
+  return float_to_e4m3(f);
+}
+template <>
+MLAKV_HD Fp8E5M2 from_float<Fp8E5M2>(float f) {
+  return float_to_e5m2(f);
+}
+
+// Round to T and back: the value a consumer of T sees.
+template <typename T>
+MLAKV_HD float round_to(float f) {
+  return to_float(from_float<T>(f));
+}
+
+// ---- RoPE ----------------------------------------------------------------------------------
+// One rotation in fp32 with explicit fma: x' = fma(x, c, -(y*s)), y' = fma(y, c, x*s).
+MLAKV_HD void rope_rotate(float x, float y, float c, float s, float& x_out, float& y_out) {
+  x_out = fma_rn(x, c, -mul_rn(y, s));
+  y_out = fma_rn(y, c, mul_rn(x, s));
+}
+
+// Index of the pair partner and the cos/sin column for element pair p (p < R/2).
+//   GPT-J: elements (2p, 2p+1); NeoX: elements (p, p + R/2). cos/sin column p in both.
+MLAKV_HD int64_t rope_first(bool neox, int64_t p, int64_t R) {
+  (void)R;
+  return neox ? p : 2 * p;
+}
+MLAKV_HD int64_t rope_second(bool neox, int64_t p, int64_t R) {
+  return neox ? p + R / 2 : 2 * p + 1;
+}
+
+// ---- RMSNorm -------------------------------------------------------------------------------
+// inv_rms from the fp32 sum of squares over N values: 1 / sqrt(sum / N + eps), IEEE ops.
+MLAKV_HD float rms_inv(float sum_squares, int64_t N, float eps) {
+  const float mean = div_rn(sum_squares, static_cast<float>(N));
+  return div_rn(1.0f, sqrt_rn(add_rn(mean, eps)));
+}
+// One normalized value before rounding to the output dtype: (x * inv_rms) * w.
+MLAKV_HD float rms_apply(float x, float inv_rms, float w) { return mul_rn(mul_rn(x, inv_rms), w); }
+
+// ---- fp8 quantization ----------------------------------------------------------------------
+// Stored value = cvt(x / scale), IEEE division.
+template <typename Fp8>
+MLAKV_HD Fp8 quantize(float x, float scale) {
+  return from_float<Fp8>(div_rn(x, scale));
+}
+
+// fp8_ds_mla tile scale from the tile's amax: max(amax / 448, FLT_MIN), optionally rounded up to a
+// power of two.
+MLAKV_HD float ds_mla_tile_scale(float amax, bool pow2) {
+  float scale = div_rn(amax, kE4M3Max);
+  if (!(scale >= FLT_MIN)) scale = FLT_MIN;  // also maps a NaN amax to FLT_MIN
+  if (pow2) {
+    uint32_t u = float_bits(scale);
+    if ((u & 0x007fffffu) != 0u && (u & 0x7f800000u) != 0x7f800000u) {
+      u = (u & 0x7f800000u) + 0x00800000u;  // next power of two (an inf stays inf)
+    }
+    scale = bits_float(u);
+  }
+  return scale;
+}
+
+// Running amax that ignores NaN and is independent of the order of updates.
+MLAKV_HD float amax_update(float amax, float v) {
+  const float a = fabsf(v);
+  return a > amax ? a : amax;
+}
+
+}  // namespace num
+}  // namespace mlakv
