@@ -36,7 +36,8 @@ std::vector<double> rope_cos_sin_table(const RopeTableConfig& config);
 std::vector<double> yarn_cos_sin_table(const YarnRopeConfig& config);
 
 // Rounds a double table to `dtype` (float32, bfloat16 or float16) into host memory `out`
-// (rows * cols elements, contiguous).
+// (rows * cols elements, contiguous). Each value is rounded once, directly from the double, to
+// nearest even (no double rounding through float for bfloat16 / float16).
 void round_table(const std::vector<double>& table, DType dtype, void* out);
 
 // yarn_get_mscale(factor, m) = 0.1 * m * ln(factor) + 1 for factor > 1, else 1.

@@ -1,0 +1,132 @@
+// mlakv: dtypes, devices and TensorView helpers.
+#include "mlakv/tensor.h"
+
+#include <sstream>
+#include <string>
+
+#include "mlakv/error.h"
+
+namespace mlakv {
+
+size_t dtype_size(DType dtype) {
+  switch (dtype) {
+    case DType::kFloat32:
+    case DType::kInt32:
+      return 4;
+    case DType::kFloat16:
+    case DType::kBFloat16:
+      return 2;
+    case DType::kFloat8E4M3:
+    case DType::kFloat8E5M2:
+    case DType::kUInt8:
+      return 1;
+    case DType::kInt64:
+      return 8;
+  }
+  MLAKV_FAIL("dtype_size: unknown dtype value ", static_cast<int>(dtype));
+}
+
+const char* dtype_name(DType dtype) {
+  switch (dtype) {
+    case DType::kFloat32:
+      return "float32";
+    case DType::kFloat16:
+      return "float16";
+    case DType::kBFloat16:
+      return "bfloat16";
+    case DType::kFloat8E4M3:
+      return "float8_e4m3fn";
+    case DType::kFloat8E5M2:
+      return "float8_e5m2";
+    case DType::kInt32:
+      return "int32";
+    case DType::kInt64:
+      return "int64";
+    case DType::kUInt8:
+      return "uint8";
+  }
+  return "unknown_dtype";
+}
+
+bool is_float8(DType dtype) { return dtype == DType::kFloat8E4M3 || dtype == DType::kFloat8E5M2; }
+
+bool is_model_dtype(DType dtype) {
+  return dtype == DType::kFloat32 || dtype == DType::kFloat16 || dtype == DType::kBFloat16;
+}
+
+std::string device_name(Device device) {
+  switch (device.type) {
+    case DeviceType::kCPU:
+      return "cpu";
+    case DeviceType::kCUDA:
+      return "cuda:" + std::to_string(device.index);
+  }
+  return "unknown_device";
+}
+
+int64_t TensorView::numel() const {
+  if (ndim <= 0) return 0;
+  int64_t n = 1;
+  for (int d = 0; d < ndim && d < kMaxDims; ++d) n *= shape[d];
+  return n;
+}
+
+// Size-1 dimensions do not constrain their stride (as in PyTorch).
+bool TensorView::is_contiguous() const {
+  int64_t expected = 1;
+  for (int d = ndim - 1; d >= 0; --d) {
+    if (shape[d] != 1 && stride[d] != expected) return false;
+    expected *= shape[d];
+  }
+  return true;
+}
+
+std::string TensorView::describe() const {
+  if (!present()) return "absent (ndim 0)";
+  std::ostringstream os;
+  os << dtype_name(dtype) << "[";
+  for (int d = 0; d < ndim && d < kMaxDims; ++d) os << (d ? ", " : "") << shape[d];
+  os << "] strides [";
+  for (int d = 0; d < ndim && d < kMaxDims; ++d) os << (d ? ", " : "") << stride[d];
+  os << "] on " << device_name(device);
+  return os.str();
+}
+
+TensorView make_view(void* data, DType dtype, std::initializer_list<int64_t> shape, Device device) {
+  MLAKV_CHECK(shape.size() >= 1 && shape.size() <= static_cast<size_t>(kMaxDims),
+              "make_view: shape: expected 1 to ", kMaxDims, " dims, got ", shape.size());
+  TensorView v;
+  v.data = data;
+  v.dtype = dtype;
+  v.ndim = static_cast<int32_t>(shape.size());
+  v.device = device;
+  int d = 0;
+  for (int64_t s : shape) {
+    MLAKV_CHECK(s >= 0, "make_view: shape: expected sizes >= 0, got ", s, " in dim ", d);
+    v.shape[d++] = s;
+  }
+  int64_t stride = 1;
+  for (d = v.ndim - 1; d >= 0; --d) {
+    v.stride[d] = stride;
+    stride *= v.shape[d];
+  }
+  return v;
+}
+
+TensorView make_view(const void* data, DType dtype, std::initializer_list<int64_t> shape,
+                     Device device) {
+  // Views do not carry constness; the ops' contracts say which tensors they never write.
+  return make_view(const_cast<void*>(data), dtype, shape, device);
+}
+
+TensorView make_strided_view(void* data, DType dtype, std::initializer_list<int64_t> shape,
+                             std::initializer_list<int64_t> strides, Device device) {
+  MLAKV_CHECK(shape.size() == strides.size(), "make_strided_view: strides: expected ", shape.size(),
+              " strides (one per dim of shape), got ", strides.size());
+  TensorView v = make_view(data, dtype, shape, device);
+  int d = 0;
+  for (int64_t s : strides) v.stride[d++] = s;
+  return v;
+}
+
+}  // namespace mlakv

@@ -1,0 +1,782 @@
+// mlakv internal: argument validation of the public ops (see validate.h).
+#include "core/validate.h"
+
+#include <cmath>
+#include <cstdint>
+#include <string>
+
+#include "mlakv/cache.h"
+#include "mlakv/error.h"
+
+namespace mlakv {
+namespace core {
+namespace {
+
+constexpr int64_t kMaxLatentDim = 1024;
+constexpr int64_t kMaxRopeDim = 256;
+constexpr int64_t kLatentMultiple = 16;
+
+bool aligned(const void* ptr, size_t alignment) {
+  return reinterpret_cast<uintptr_t>(ptr) % alignment == 0;
+}
+
+// Byte range [lo, hi) a view spans (non-negative strides, as validated); empty when numel == 0.
+struct ByteRange {
+  uintptr_t lo = 0;
+  uintptr_t hi = 0;
+};
+ByteRange byte_range(const TensorView& t) {
+  ByteRange r;
+  if (t.numel() <= 0) return r;
+  int64_t last = 0;
+  for (int d = 0; d < t.ndim; ++d) last += (t.shape[d] - 1) * t.stride[d];
+  const int64_t elem = static_cast<int64_t>(dtype_size(t.dtype));
+  r.lo = reinterpret_cast<uintptr_t>(t.data);
+  r.hi = r.lo + static_cast<uintptr_t>((last + 1) * elem);
+  return r;
+}
+bool overlap(const TensorView& a, const TensorView& b) {
+  const ByteRange ra = byte_range(a);
+  const ByteRange rb = byte_range(b);
+  return ra.lo < ra.hi && rb.lo < rb.hi && ra.lo < rb.hi && rb.lo < ra.hi;
+}
+
+// Throws mlakv::Error "op: name: parts..." when cond is false. A macro, so that the message parts
+// (describe() strings and the like) are built only on failure: validation runs on every op call.
+#define MLAKV_ARG_CHECK(validator, cond, name, ...)                                  \
+  do {                                                                               \
+    if (!(cond)) {                                                                   \
+      throw ::mlakv::Error(                                                          \
+          __FILE__, __LINE__,                                                        \
+          ::mlakv::detail::concat((validator).op(), ": ", name, ": ", __VA_ARGS__)); \
+    }                                                                                \
+  } while (0)
+
+// Accumulates the device of the op (the first tensor or cache checked) and checks each argument
+// against it; every message starts with "op: argument: ".
+class Validator {
+ public:
+  explicit Validator(const char* op) : op_(op) {}
+
+  const char* op() const { return op_; }
+
+  Device device() const { return device_; }
+
+  template <typename Given>  // Given: a callable returning the description, built on failure only
+  void device_of(const char* name, Device device, const Given& given) {
+    MLAKV_ARG_CHECK(*this, device.type == DeviceType::kCPU || device.type == DeviceType::kCUDA,
+                    name, "expected a cpu or cuda device, got ", given());
+#ifndef MLAKV_WITH_CUDA
+    MLAKV_ARG_CHECK(*this, device.type != DeviceType::kCUDA, name,
+                    "CUDA tensors given but mlakv was built without the CUDA backend; got ",
+                    given());
+#endif
+    MLAKV_ARG_CHECK(*this, device.type == DeviceType::kCPU || device.index >= 0, name,
+                    "expected a CUDA device index >= 0, got ", given());
+    if (!has_device_) {
+      has_device_ = true;
+      device_ = device;
+      device_source_ = name;
+      return;
+    }
+    MLAKV_ARG_CHECK(*this, device == device_, name, "expected to be on ", device_name(device_),
+                    " (the device of ", device_source_, "), got ", given());
+  }
+
+  // Layout rules of every tensor: ndim, sizes >= 0, innermost stride 1, other strides >= 0 (0 only
+  // on size-1 dims), data non-null when non-empty and aligned to the element size, one device.
+  void tensor(const char* name, const TensorView& t, int ndim, const char* dims) {
+    MLAKV_ARG_CHECK(*this, t.present(), name, "expected ", ndim, " dims ", dims, ", got absent");
+    MLAKV_ARG_CHECK(*this, t.ndim == ndim, name, "expected ", ndim, " dims ", dims, ", got ",
+                    t.describe());
+    for (int d = 0; d < ndim; ++d) {
+      MLAKV_ARG_CHECK(*this, t.shape[d] >= 0, name, "expected sizes >= 0, got ", t.describe());
+    }
+    MLAKV_ARG_CHECK(*this, t.shape[ndim - 1] <= 1 || t.stride[ndim - 1] == 1, name,
+                    "expected a contiguous innermost dim (stride 1), got ", t.describe());
+    for (int d = 0; d + 1 < ndim; ++d) {
+      MLAKV_ARG_CHECK(*this, t.stride[d] > 0 || (t.stride[d] == 0 && t.shape[d] <= 1), name,
+                      "expected positive strides (0 only on size-1 dims), got ", t.describe());
+    }
+    MLAKV_ARG_CHECK(*this, t.data != nullptr || t.numel() == 0, name, "expected non-null data for ",
+                    t.numel(), " elements, got nullptr for ", t.describe());
+    MLAKV_ARG_CHECK(*this,
+                    static_cast<int>(t.dtype) >= static_cast<int>(DType::kFloat32) &&
+                        static_cast<int>(t.dtype) <= static_cast<int>(DType::kUInt8),
+                    name, "expected a known dtype, got dtype value ", static_cast<int>(t.dtype));
+    const size_t elem = dtype_size(t.dtype);
+    MLAKV_ARG_CHECK(*this, aligned(t.data, elem), name, "expected data aligned to ", elem,
+                    " bytes (", dtype_name(t.dtype), "), got address ", t.data, " for ",
+                    t.describe());
+    device_of(name, t.device, [&] { return t.describe(); });
+  }
+
+  void dtype(const char* name, const TensorView& t, DType expected, const char* why) {
+    MLAKV_ARG_CHECK(*this, t.dtype == expected, name, "expected ", dtype_name(expected), " (", why,
+                    "), got ", t.describe());
+  }
+  void model_dtype(const char* name, const TensorView& t) {
+    MLAKV_ARG_CHECK(*this, is_model_dtype(t.dtype), name,
+                    "expected float32, float16 or bfloat16 (the model dtype), got ", t.describe());
+  }
+  void index_dtype(const char* name, const TensorView& t) {
+    MLAKV_ARG_CHECK(*this, t.dtype == DType::kInt32 || t.dtype == DType::kInt64, name,
+                    "expected int32 or int64, got ", t.describe());
+  }
+  void rows(const char* name, const TensorView& t, int64_t min_rows, const char* what) {
+    MLAKV_ARG_CHECK(*this, t.shape[0] >= min_rows, name, "expected shape[0] >= ", what, " = ",
+                    min_rows, ", got ", t.describe());
+  }
+  void dim(const char* name, const TensorView& t, int d, int64_t expected, const char* what) {
+    MLAKV_ARG_CHECK(*this, t.shape[d] == expected, name, "expected shape[", d, "] == ", what, " = ",
+                    expected, ", got ", t.describe());
+  }
+  void scalar_ptr(const char* name, const void* ptr, const char* what) {
+    MLAKV_ARG_CHECK(*this, aligned(ptr, 4), name, "expected a 4-byte aligned ", what,
+                    ", got address ", ptr);
+  }
+
+  template <typename Given>
+  void latent_dim(const char* name, int64_t L, const Given& given) {
+    MLAKV_ARG_CHECK(*this, L >= kLatentMultiple && L <= kMaxLatentDim && L % kLatentMultiple == 0,
+                    name, "expected L (kv_lora_rank) a multiple of ", kLatentMultiple, " in [",
+                    kLatentMultiple, ", ", kMaxLatentDim, "], got L = ", L, " from ", given());
+  }
+  template <typename Given>
+  void rope_dim(const char* name, int64_t R, const Given& given) {
+    MLAKV_ARG_CHECK(*this, R >= 2 && R <= kMaxRopeDim && R % 2 == 0, name,
+                    "expected R (rope dim) even in [2, ", kMaxRopeDim, "], got R = ", R, " from ",
+                    given());
+  }
+
+  // The paged cache: format, geometry (L, R), strides and alignment, scale, device. model_dtype is
+  // the op's model dtype, or nullptr for read-back ops.
+  CacheArg cache(const char* name, const KVCacheView& c, int64_t L, int64_t R,
+                 const DType* model_dtype) {
+    const int format_value = static_cast<int>(c.format);
+    MLAKV_ARG_CHECK(*this,
+                    format_value >= static_cast<int>(CacheFormat::kBFloat16) &&
+                        format_value <= static_cast<int>(CacheFormat::kFloat8DsMla),
+                    name, "expected a known cache format, got format value ", format_value);
+    const char* format = cache_format_name(c.format);
+    device_of(name, c.device,
+              [&] { return std::string(format) + " cache on " + device_name(c.device); });
+    MLAKV_ARG_CHECK(*this, c.kv_lora_rank == L && c.rope_dim == R, name,
+                    "expected entry geometry (L, R) = (", L, ", ", R, "), got (", c.kv_lora_rank,
+                    ", ", c.rope_dim, ")");
+    MLAKV_ARG_CHECK(*this, c.num_blocks >= 0, name, "expected num_blocks >= 0, got ", c.num_blocks);
+    MLAKV_ARG_CHECK(*this, c.block_size >= 1, name, "expected block_size >= 1, got ", c.block_size);
+    MLAKV_ARG_CHECK(*this, c.data != nullptr || c.num_slots() == 0, name,
+                    "expected non-null data for ", c.num_slots(), " slots, got nullptr");
+
+    const bool ds_mla = c.format == CacheFormat::kFloat8DsMla;
+    if (ds_mla) {
+      MLAKV_ARG_CHECK(*this, L == kDsMlaLatentDim && R == kDsMlaRopeDim, name,
+                      "fp8_ds_mla needs L = ", kDsMlaLatentDim, " and R = ", kDsMlaRopeDim,
+                      ", got L = ", L, ", R = ", R);
+      MLAKV_ARG_CHECK(*this, model_dtype == nullptr || *model_dtype == DType::kBFloat16, name,
+                      "fp8_ds_mla needs a bfloat16 model dtype, got ",
+                      model_dtype ? dtype_name(*model_dtype) : "");
+      MLAKV_ARG_CHECK(*this, !c.is_split(), name,
+                      "fp8_ds_mla has only the combined layout, got rope_data set");
+    }
+    MLAKV_ARG_CHECK(*this, !c.ds_mla_pow2_scale || ds_mla, name,
+                    "ds_mla_pow2_scale applies to fp8_ds_mla only, got it set on a ", format,
+                    " cache");
+    if (c.scale != nullptr) {
+      MLAKV_ARG_CHECK(*this, cache_is_per_tensor_fp8(c.format), name,
+                      "a scale is taken by the per-tensor fp8 formats only, got one for a ", format,
+                      " cache");
+      scalar_ptr(name, c.scale, "fp32 scale");
+    }
+
+    const int64_t latent_elem = static_cast<int64_t>(dtype_size(cache_latent_dtype(c.format)));
+    const int64_t rope_elem = static_cast<int64_t>(dtype_size(cache_rope_dtype(c.format)));
+    CacheArg a;
+    a.format = c.format;
+    a.num_slots = c.num_slots();
+    a.block_size = c.block_size;
+    a.data = static_cast<uint8_t*>(c.data);
+    a.stride_block_bytes = c.stride_block_bytes;
+    a.stride_token_bytes = c.stride_token_bytes;
+    a.scale = c.scale;
+    a.ds_mla_pow2_scale = c.ds_mla_pow2_scale;
+    if (!c.is_split()) {
+      // fp8_ds_mla entries hold fp32 tile scales: 4-byte alignment.
+      const int64_t align = ds_mla ? 4 : latent_elem;
+      const int64_t entry = cache_entry_bytes(c.format, L, R);
+      strides(name, "", c.stride_token_bytes, c.stride_block_bytes, entry, c.block_size, align,
+              c.data);
+      return a;
+    }
+    MLAKV_ARG_CHECK(*this, c.data != nullptr, name,
+                    "split layout needs both data and rope_data, got data nullptr");
+    strides(name, "", c.stride_token_bytes, c.stride_block_bytes, L * latent_elem, c.block_size,
+            latent_elem, c.data);
+    strides(name, "rope_", c.stride_rope_token_bytes, c.stride_rope_block_bytes, R * rope_elem,
+            c.block_size, rope_elem, c.rope_data);
+    a.rope_data = static_cast<uint8_t*>(c.rope_data);
+    a.stride_rope_block_bytes = c.stride_rope_block_bytes;
+    a.stride_rope_token_bytes = c.stride_rope_token_bytes;
+    return a;
+  }
+
+ private:
+  void strides(const char* name, const char* part, int64_t token_bytes, int64_t block_bytes,
+               int64_t entry_bytes, int64_t block_size, int64_t align, const void* data) {
+    MLAKV_ARG_CHECK(*this, token_bytes >= entry_bytes, name, "expected stride_", part,
+                    "token_bytes >= ", entry_bytes, " (the entry), got ", token_bytes);
+    MLAKV_ARG_CHECK(*this, block_bytes >= block_size * token_bytes, name, "expected stride_", part,
+                    "block_bytes >= block_size * stride_", part,
+                    "token_bytes = ", block_size * token_bytes, ", got ", block_bytes);
+    MLAKV_ARG_CHECK(*this, token_bytes % align == 0 && block_bytes % align == 0, name,
+                    "expected stride_", part, "token_bytes and stride_", part,
+                    "block_bytes multiples of ", align, ", got ", token_bytes, " and ",
+                    block_bytes);
+    MLAKV_ARG_CHECK(*this, aligned(data, static_cast<size_t>(align)), name, "expected ", part,
+                    "data aligned to ", align, " bytes, got address ", data);
+  }
+
+  const char* op_;
+  bool has_device_ = false;
+  Device device_{};
+  const char* device_source_ = "";
+};
+
+IndexArg index_arg(const TensorView& t) {
+  IndexArg a;
+  a.data = t.data;
+  a.is_int64 = t.dtype == DType::kInt64;
+  a.stride = t.stride[0];
+  return a;
+}
+
+void check_num_tokens(Validator& v, const char* name, int64_t n) {
+  MLAKV_ARG_CHECK(v, n >= 0, name, "expected >= 0, got ", n);
+}
+
+void check_eps(Validator& v, const char* name, float eps) {
+  MLAKV_ARG_CHECK(v, std::isfinite(eps) && eps > 0.0f, name, "expected a finite value > 0, got ",
+                  eps);
+}
+
+void check_context(Validator& v, const Context& ctx) {
+  MLAKV_ARG_CHECK(v, ctx.num_threads >= 0, "ctx.num_threads",
+                  "expected >= 0 (0 = all threads), got ", ctx.num_threads);
+  if (ctx.error_counts != nullptr) {
+    v.scalar_ptr("ctx.error_counts", ctx.error_counts, "int32 counter array");
+  }
+  MLAKV_ARG_CHECK(v, !ctx.checked || ctx.error_counts != nullptr, "ctx.checked",
+                  "checked mode needs ctx.error_counts, got nullptr");
+}
+
+// positions / slot_mapping / slots: [>=n] int32 or int64.
+IndexArg index_tensor(Validator& v, const char* name, const TensorView& t, int64_t n,
+                      const char* what) {
+  v.tensor(name, t, 1, "[T]");
+  v.index_dtype(name, t);
+  v.rows(name, t, n, what);
+  return index_arg(t);
+}
+
+// cos_sin_cache: [max_pos >= 1, R] fp32 / bf16 / fp16.
+RopeTableArg rope_table(Validator& v, const char* name, const TensorView& t, int64_t R,
+                        const char* r_name, RopeStyle style) {
+  v.tensor(name, t, 2, "[max_pos, R]");
+  MLAKV_ARG_CHECK(
+      v, t.dtype == DType::kFloat32 || t.dtype == DType::kBFloat16 || t.dtype == DType::kFloat16,
+      name, "expected float32, bfloat16 or float16, got ", t.describe());
+  MLAKV_ARG_CHECK(v, t.shape[0] >= 1, name, "expected max_pos = shape[0] >= 1, got ", t.describe());
+  v.dim(name, t, 1, R, r_name);
+  MLAKV_ARG_CHECK(v, style == RopeStyle::kGptJ || style == RopeStyle::kNeox, "rope_style",
+                  "expected kGptJ or kNeox, got value ", static_cast<int>(style));
+  RopeTableArg a;
+  a.data = t.data;
+  a.dtype = t.dtype;
+  a.max_pos = t.shape[0];
+  a.stride_pos = t.stride[0];
+  a.style = style;
+  return a;
+}
+
+// An output that may be its input: allowed when it is the same memory with the same strides,
+// rejected when it starts at the input's address with another layout (a partial alias).
+bool exact_alias(Validator& v, const char* name, const TensorView& out, const char* in_name,
+                 const TensorView& in) {
+  if (out.data != in.data || out.numel() == 0) return false;
+  for (int d = 0; d + 1 < out.ndim; ++d) {
+    // The stride of a size-1 dim is never used, so it need not match.
+    MLAKV_ARG_CHECK(v, out.shape[d] <= 1 || out.stride[d] == in.stride[d], name, "may alias ",
+                    in_name, " only exactly (same data and strides), got ", out.describe(), " vs ",
+                    in.describe());
+  }
+  return true;
+}
+
+}  // namespace
+
+MlaRopeCacheArgs validate_mla_rope_cache(const char* op, const MlaRopeCacheParams& p,
+                                         const Context& ctx, Device* device) {
+  Validator v(op);
+  const int64_t T = p.num_tokens;
+  check_num_tokens(v, "num_tokens", T);
+
+  v.tensor("kv_c", p.kv_c, 2, "[T, L]");
+  v.model_dtype("kv_c", p.kv_c);
+  const DType model = p.kv_c.dtype;
+  const int64_t L = p.kv_c.shape[1];
+  v.latent_dim("kv_c", L, [&] { return p.kv_c.describe(); });
+  v.rows("kv_c", p.kv_c, T, "T");
+
+  v.tensor("k_pe", p.k_pe, 2, "[T, R]");
+  v.dtype("k_pe", p.k_pe, model, "the model dtype, from kv_c");
+  const int64_t R = p.k_pe.shape[1];
+  v.rope_dim("k_pe", R, [&] { return p.k_pe.describe(); });
+  v.rows("k_pe", p.k_pe, T, "T");
+
+  MlaRopeCacheArgs a;
+  a.positions = index_tensor(v, "positions", p.positions, T, "T");
+  a.slot_mapping = index_tensor(v, "slot_mapping", p.slot_mapping, T, "T");
+  a.rope = rope_table(v, "cos_sin_cache", p.cos_sin_cache, R, "R", p.rope_style);
+
+  if (p.kv_norm_weight.present()) {
+    v.tensor("kv_norm_weight", p.kv_norm_weight, 1, "[L]");
+    v.dtype("kv_norm_weight", p.kv_norm_weight, model, "the model dtype, from kv_c");
+    v.dim("kv_norm_weight", p.kv_norm_weight, 0, L, "L");
+    check_eps(v, "kv_norm_eps", p.kv_norm_eps);
+  }
+  a.cache = v.cache("kv_cache", p.kv_cache, L, R, &model);
+
+  if (p.k_pe_out.present()) {
+    v.tensor("k_pe_out", p.k_pe_out, 2, "[T, R]");
+    v.dtype("k_pe_out", p.k_pe_out, model, "the model dtype, from kv_c");
+    v.rows("k_pe_out", p.k_pe_out, T, "T");
+    v.dim("k_pe_out", p.k_pe_out, 1, R, "R");
+    exact_alias(v, "k_pe_out", p.k_pe_out, "k_pe", p.k_pe);
+  }
+  if (p.kv_c_out.present()) {
+    v.tensor("kv_c_out", p.kv_c_out, 2, "[T, L]");
+    v.dtype("kv_c_out", p.kv_c_out, model, "the model dtype, from kv_c");
+    v.rows("kv_c_out", p.kv_c_out, T, "T");
+    v.dim("kv_c_out", p.kv_c_out, 1, L, "L");
+    exact_alias(v, "kv_c_out", p.kv_c_out, "kv_c", p.kv_c);
+  }
+
+  // Td: from the device (clamped by the backend, so decode tensors need T rows) or the host.
+  const bool device_td = p.num_decode_tokens_device != nullptr;
+  int64_t decode_rows = T;
+  const char* decode_rows_name = "T (device Td)";
+  if (device_td) {
+    v.scalar_ptr("num_decode_tokens_device", p.num_decode_tokens_device, "int32");
+  } else {
+    MLAKV_ARG_CHECK(v, p.num_decode_tokens >= 0 && p.num_decode_tokens <= T, "num_decode_tokens",
+                    "expected 0 <= Td <= T = ", T, ", got ", p.num_decode_tokens);
+    decode_rows = p.num_decode_tokens;
+    decode_rows_name = "Td";
+  }
+
+  int64_t H = 0;
+  if (p.q_out.present()) {
+    v.tensor("q_out", p.q_out, 3, "[Td, H, L + R]");
+    MLAKV_ARG_CHECK(
+        v, is_model_dtype(p.q_out.dtype) ? p.q_out.dtype == model : is_float8(p.q_out.dtype),
+        "q_out", "expected the model dtype ", dtype_name(model),
+        " (from kv_c) or float8_e4m3fn / float8_e5m2, got ", p.q_out.describe());
+    v.rows("q_out", p.q_out, decode_rows, decode_rows_name);
+    v.dim("q_out", p.q_out, 2, L + R, "L + R");
+    H = p.q_out.shape[1];
+    MLAKV_ARG_CHECK(v, H >= 1, "q_out", "expected H = shape[1] >= 1, got ", p.q_out.describe());
+
+    MLAKV_ARG_CHECK(v, p.q_pe.present(), "q_pe",
+                    "expected 3 dims [Td, H, R] (required with q_out), got absent");
+    v.tensor("q_pe", p.q_pe, 3, "[Td, H, R]");
+    v.dtype("q_pe", p.q_pe, model, "the model dtype, from kv_c");
+    v.rows("q_pe", p.q_pe, decode_rows, decode_rows_name);
+    v.dim("q_pe", p.q_pe, 1, H, "H (from q_out)");
+    v.dim("q_pe", p.q_pe, 2, R, "R");
+
+    const bool fp8_out = is_float8(p.q_out.dtype);
+    // A model-dtype q_out may hold q_pe in its rope part (rotated in place); an fp8 one may not.
+    MLAKV_ARG_CHECK(v, !fp8_out || !overlap(p.q_pe, p.q_out), "q_pe",
+                    "must not overlap an fp8 q_out (it is quantized from q_pe), got ",
+                    p.q_pe.describe(), " and q_out ", p.q_out.describe());
+    bool copy_nope = false;
+    if (p.ql_nope.present()) {
+      v.tensor("ql_nope", p.ql_nope, 3, "[Td, H, L]");
+      v.dtype("ql_nope", p.ql_nope, model, "the model dtype, from kv_c");
+      v.rows("ql_nope", p.ql_nope, decode_rows, decode_rows_name);
+      v.dim("ql_nope", p.ql_nope, 1, H, "H (from q_out)");
+      v.dim("ql_nope", p.ql_nope, 2, L, "L");
+      if (fp8_out) {
+        MLAKV_ARG_CHECK(v, !overlap(p.ql_nope, p.q_out), "ql_nope",
+                        "must not overlap an fp8 q_out (it is quantized from ql_nope), got ",
+                        p.ql_nope.describe(), " and q_out ", p.q_out.describe());
+        copy_nope = true;
+      } else {
+        copy_nope = !exact_alias(v, "ql_nope", p.ql_nope, "q_out's nope part", p.q_out);
+      }
+    } else {
+      MLAKV_ARG_CHECK(v, !fp8_out, "ql_nope",
+                      "expected 3 dims [Td, H, L] (required with an fp8 q_out), ", "got absent");
+    }
+    if (p.q_scale != nullptr) {
+      MLAKV_ARG_CHECK(v, fp8_out, "q_scale", "only an fp8 q_out takes a scale, got one with q_out ",
+                      p.q_out.describe());
+      v.scalar_ptr("q_scale", p.q_scale, "fp32 scale");
+    }
+
+    a.q_pe = p.q_pe.data;
+    a.stride_q_pe_token = p.q_pe.stride[0];
+    a.stride_q_pe_head = p.q_pe.stride[1];
+    if (copy_nope) {
+      a.ql_nope = p.ql_nope.data;
+      a.stride_ql_nope_token = p.ql_nope.stride[0];
+      a.stride_ql_nope_head = p.ql_nope.stride[1];
+    }
+    a.copy_nope = copy_nope;
+    a.q_out = p.q_out.data;
+    a.stride_q_out_token = p.q_out.stride[0];
+    a.stride_q_out_head = p.q_out.stride[1];
+    a.q_out_dtype = p.q_out.dtype;
+    a.q_scale = p.q_scale;
+  } else {
+    MLAKV_ARG_CHECK(v, device_td || p.num_decode_tokens == 0, "q_out",
+                    "num_decode_tokens = ", p.num_decode_tokens, " > 0 needs q_out, got absent");
+    MLAKV_ARG_CHECK(v, !p.q_pe.present(), "q_pe",
+                    "given without q_out (the decode Q side runs only with ", "q_out), got ",
+                    p.q_pe.describe());
+    MLAKV_ARG_CHECK(v, !p.ql_nope.present(), "ql_nope",
+                    "given without q_out (the decode Q side runs only ", "with q_out), got ",
+                    p.ql_nope.describe());
+    MLAKV_ARG_CHECK(v, p.q_scale == nullptr, "q_scale", "given without q_out");
+  }
+
+  int64_t P = 0;
+  if (p.q.present()) {
+    v.tensor("q", p.q, 3, "[T, H, P + R]");
+    v.dtype("q", p.q, model, "the model dtype, from kv_c");
+    v.rows("q", p.q, T, "T");
+    MLAKV_ARG_CHECK(v, p.q.shape[2] >= R, "q", "expected shape[2] = P + R >= R = ", R, ", got ",
+                    p.q.describe());
+    MLAKV_ARG_CHECK(v, p.q.shape[1] >= 1, "q", "expected H = shape[1] >= 1, got ", p.q.describe());
+    if (H != 0) v.dim("q", p.q, 1, H, "H (from q_out)");
+    H = p.q.shape[1];
+    P = p.q.shape[2] - R;
+    a.q = p.q.data;
+    a.stride_q_token = p.q.stride[0];
+    a.stride_q_head = p.q.stride[1];
+    if (p.q_prefill_out.present()) {
+      v.tensor("q_prefill_out", p.q_prefill_out, 3, "[T, H, P + R]");
+      v.dtype("q_prefill_out", p.q_prefill_out, model, "the model dtype, from kv_c");
+      v.rows("q_prefill_out", p.q_prefill_out, T, "T");
+      v.dim("q_prefill_out", p.q_prefill_out, 1, H, "H (from q)");
+      v.dim("q_prefill_out", p.q_prefill_out, 2, P + R, "P + R (from q)");
+      if (!exact_alias(v, "q_prefill_out", p.q_prefill_out, "q", p.q)) {
+        a.q_prefill_out = p.q_prefill_out.data;
+        a.stride_q_prefill_out_token = p.q_prefill_out.stride[0];
+        a.stride_q_prefill_out_head = p.q_prefill_out.stride[1];
+      }
+    }
+  } else {
+    MLAKV_ARG_CHECK(v, !p.q_prefill_out.present(), "q_prefill_out", "given without q, got ",
+                    p.q_prefill_out.describe());
+  }
+  check_context(v, ctx);
+
+  a.num_tokens = T;
+  a.num_heads = H;
+  a.kv_lora_rank = L;
+  a.rope_dim = R;
+  a.nope_dim = P;
+  a.num_decode_tokens = device_td ? 0 : p.num_decode_tokens;
+  a.num_decode_tokens_device = p.num_decode_tokens_device;
+  a.model_dtype = model;
+  a.kv_c = p.kv_c.data;
+  a.stride_kv_c_token = p.kv_c.stride[0];
+  a.k_pe = p.k_pe.data;
+  a.stride_k_pe_token = p.k_pe.stride[0];
+  if (p.kv_norm_weight.present()) {
+    a.kv_norm_weight = p.kv_norm_weight.data;
+    a.kv_norm_eps = p.kv_norm_eps;
+  }
+  if (p.k_pe_out.present()) {
+    a.k_pe_out = p.k_pe_out.data;
+    a.stride_k_pe_out_token = p.k_pe_out.stride[0];
+  }
+  if (p.kv_c_out.present()) {
+    a.kv_c_out = p.kv_c_out.data;
+    a.stride_kv_c_out_token = p.kv_c_out.stride[0];
+  }
+  a.error_counts = ctx.error_counts;
+  *device = v.device();
+  return a;
+}
+
+RotaryEmbeddingArgs validate_rotary_embedding(const char* op, const RotaryEmbeddingParams& p,
+                                              const Context& ctx, Device* device) {
+  Validator v(op);
+  const int64_t T = p.num_tokens;
+  check_num_tokens(v, "num_tokens", T);
+  v.tensor("query", p.query, 3, "[T, Hq, head_size]");
+  v.model_dtype("query", p.query);
+  const DType model = p.query.dtype;
+  v.rows("query", p.query, T, "T");
+  MLAKV_ARG_CHECK(v, p.query.shape[1] >= 1, "query", "expected Hq = shape[1] >= 1, got ",
+                  p.query.describe());
+  const int64_t head_size = p.query.shape[2];
+
+  RotaryEmbeddingArgs a;
+  a.positions = index_tensor(v, "positions", p.positions, T, "T");
+  v.tensor("cos_sin_cache", p.cos_sin_cache, 2, "[max_pos, rot_dim]");
+  const int64_t rot_dim = p.cos_sin_cache.shape[1];
+  MLAKV_ARG_CHECK(
+      v, rot_dim >= 2 && rot_dim % 2 == 0 && rot_dim <= head_size && rot_dim <= kMaxRopeDim,
+      "cos_sin_cache", "expected rot_dim = shape[1] even, >= 2, <= ", kMaxRopeDim,
+      " and <= head_size = ", head_size, ", got ", p.cos_sin_cache.describe());
+  a.rope = rope_table(v, "cos_sin_cache", p.cos_sin_cache, rot_dim, "rot_dim", p.rope_style);
+
+  if (p.key.present()) {
+    v.tensor("key", p.key, 3, "[T, Hk, head_size]");
+    v.dtype("key", p.key, model, "the model dtype, from query");
+    v.rows("key", p.key, T, "T");
+    MLAKV_ARG_CHECK(v, p.key.shape[1] >= 1, "key", "expected Hk = shape[1] >= 1, got ",
+                    p.key.describe());
+    v.dim("key", p.key, 2, head_size, "head_size (from query)");
+    a.key = p.key.data;
+    a.num_k_heads = p.key.shape[1];
+    a.stride_key_token = p.key.stride[0];
+    a.stride_key_head = p.key.stride[1];
+  }
+  check_context(v, ctx);
+
+  a.num_tokens = T;
+  a.head_size = head_size;
+  a.rot_dim = rot_dim;
+  a.model_dtype = model;
+  a.query = p.query.data;
+  a.num_q_heads = p.query.shape[1];
+  a.stride_query_token = p.query.stride[0];
+  a.stride_query_head = p.query.stride[1];
+  a.error_counts = ctx.error_counts;
+  *device = v.device();
+  return a;
+}
+
+ConcatAndCacheMlaArgs validate_concat_and_cache_mla(const char* op,
+                                                    const ConcatAndCacheMlaParams& p,
+                                                    const Context& ctx, Device* device) {
+  Validator v(op);
+  const int64_t T = p.num_tokens;
+  check_num_tokens(v, "num_tokens", T);
+  v.tensor("kv_c", p.kv_c, 2, "[T, L]");
+  v.model_dtype("kv_c", p.kv_c);
+  const DType model = p.kv_c.dtype;
+  const int64_t L = p.kv_c.shape[1];
+  v.latent_dim("kv_c", L, [&] { return p.kv_c.describe(); });
+  v.rows("kv_c", p.kv_c, T, "T");
+  v.tensor("k_pe", p.k_pe, 2, "[T, R]");
+  v.dtype("k_pe", p.k_pe, model, "the model dtype, from kv_c");
+  const int64_t R = p.k_pe.shape[1];
+  v.rope_dim("k_pe", R, [&] { return p.k_pe.describe(); });
+  v.rows("k_pe", p.k_pe, T, "T");
+
+  ConcatAndCacheMlaArgs a;
+  a.slot_mapping = index_tensor(v, "slot_mapping", p.slot_mapping, T, "T");
+  a.cache = v.cache("kv_cache", p.kv_cache, L, R, &model);
+  check_context(v, ctx);
+
+  a.num_tokens = T;
+  a.kv_lora_rank = L;
+  a.rope_dim = R;
+  a.model_dtype = model;
+  a.kv_c = p.kv_c.data;
+  a.stride_kv_c_token = p.kv_c.stride[0];
+  a.k_pe = p.k_pe.data;
+  a.stride_k_pe_token = p.k_pe.stride[0];
+  a.error_counts = ctx.error_counts;
+  *device = v.device();
+  return a;
+}
+
+DecodeQConcatArgs validate_decode_q_concat(const char* op, const DecodeQConcatParams& p,
+                                           const Context& ctx, Device* device) {
+  Validator v(op);
+  const int64_t T = p.num_tokens;
+  check_num_tokens(v, "num_tokens", T);
+  v.tensor("ql_nope", p.ql_nope, 3, "[T, H, L]");
+  v.model_dtype("ql_nope", p.ql_nope);
+  const DType model = p.ql_nope.dtype;
+  v.rows("ql_nope", p.ql_nope, T, "T");
+  const int64_t H = p.ql_nope.shape[1];
+  MLAKV_ARG_CHECK(v, H >= 1, "ql_nope", "expected H = shape[1] >= 1, got ", p.ql_nope.describe());
+  const int64_t L = p.ql_nope.shape[2];
+  v.latent_dim("ql_nope", L, [&] { return p.ql_nope.describe(); });
+
+  v.tensor("q_pe", p.q_pe, 3, "[T, H, R]");
+  v.dtype("q_pe", p.q_pe, model, "the model dtype, from ql_nope");
+  v.rows("q_pe", p.q_pe, T, "T");
+  v.dim("q_pe", p.q_pe, 1, H, "H (from ql_nope)");
+  const int64_t R = p.q_pe.shape[2];
+  v.rope_dim("q_pe", R, [&] { return p.q_pe.describe(); });
+
+  v.tensor("q_out", p.q_out, 3, "[T, H, L + R]");
+  MLAKV_ARG_CHECK(v,
+                  is_model_dtype(p.q_out.dtype) ? p.q_out.dtype == model : is_float8(p.q_out.dtype),
+                  "q_out", "expected the model dtype ", dtype_name(model),
+                  " (from ql_nope) or float8_e4m3fn / float8_e5m2, got ", p.q_out.describe());
+  v.rows("q_out", p.q_out, T, "T");
+  v.dim("q_out", p.q_out, 1, H, "H (from ql_nope)");
+  v.dim("q_out", p.q_out, 2, L + R, "L + R");
+  const bool fp8_out = is_float8(p.q_out.dtype);
+  if (fp8_out) {
+    MLAKV_ARG_CHECK(v, !overlap(p.ql_nope, p.q_out), "ql_nope",
+                    "must not overlap an fp8 q_out (it is quantized from ql_nope), got ",
+                    p.ql_nope.describe(), " and q_out ", p.q_out.describe());
+    MLAKV_ARG_CHECK(v, !overlap(p.q_pe, p.q_out), "q_pe",
+                    "must not overlap an fp8 q_out (it is quantized from q_pe), got ",
+                    p.q_pe.describe(), " and q_out ", p.q_out.describe());
+  } else {
+    exact_alias(v, "ql_nope", p.ql_nope, "q_out's nope part", p.q_out);
+  }
+  if (p.q_scale != nullptr) {
+    MLAKV_ARG_CHECK(v, fp8_out, "q_scale", "only an fp8 q_out takes a scale, got one with q_out ",
+                    p.q_out.describe());
+    v.scalar_ptr("q_scale", p.q_scale, "fp32 scale");
+  }
+  check_context(v, ctx);
+
+  DecodeQConcatArgs a;
+  a.num_tokens = T;
+  a.num_heads = H;
+  a.kv_lora_rank = L;
+  a.rope_dim = R;
+  a.model_dtype = model;
+  a.ql_nope = p.ql_nope.data;
+  a.stride_ql_nope_token = p.ql_nope.stride[0];
+  a.stride_ql_nope_head = p.ql_nope.stride[1];
+  a.q_pe = p.q_pe.data;
+  a.stride_q_pe_token = p.q_pe.stride[0];
+  a.stride_q_pe_head = p.q_pe.stride[1];
+  a.q_out = p.q_out.data;
+  a.stride_q_out_token = p.q_out.stride[0];
+  a.stride_q_out_head = p.q_out.stride[1];
+  a.q_out_dtype = p.q_out.dtype;
+  a.q_scale = p.q_scale;
+  *device = v.device();
+  return a;
+}
+
+RmsNormArgs validate_rms_norm(const char* op, const RmsNormParams& p, const Context& ctx,
+                              Device* device) {
+  Validator v(op);
+  const int64_t T = p.num_tokens;
+  check_num_tokens(v, "num_tokens", T);
+  v.tensor("input", p.input, 2, "[T, N]");
+  v.model_dtype("input", p.input);
+  const DType model = p.input.dtype;
+  v.rows("input", p.input, T, "T");
+  const int64_t N = p.input.shape[1];
+  MLAKV_ARG_CHECK(v, N >= 1, "input", "expected N = shape[1] >= 1, got ", p.input.describe());
+  v.tensor("weight", p.weight, 1, "[N]");
+  v.dtype("weight", p.weight, model, "the model dtype, from input");
+  v.dim("weight", p.weight, 0, N, "N (from input)");
+  check_eps(v, "eps", p.eps);
+  v.tensor("output", p.output, 2, "[T, N]");
+  v.dtype("output", p.output, model, "the model dtype, from input");
+  v.rows("output", p.output, T, "T");
+  v.dim("output", p.output, 1, N, "N (from input)");
+  exact_alias(v, "output", p.output, "input", p.input);
+  check_context(v, ctx);
+
+  RmsNormArgs a;
+  a.num_tokens = T;
+  a.hidden = N;
+  a.model_dtype = model;
+  a.input = p.input.data;
+  a.stride_input_token = p.input.stride[0];
+  a.weight = p.weight.data;
+  a.eps = p.eps;
+  a.output = p.output.data;
+  a.stride_output_token = p.output.stride[0];
+  *device = v.device();
+  return a;
+}
+
+namespace {
+
+// The cache and the dequantized output rows [rows, L + R] of both read-back ops.
+GatherCacheArgs gather_common(Validator& v, const KVCacheView& cache, const TensorView& out,
+                              const char* out_dims) {
+  const int64_t L = cache.kv_lora_rank;
+  const int64_t R = cache.rope_dim;
+  const auto geometry = [&] {
+    return "kv_lora_rank " + std::to_string(L) + ", rope_dim " + std::to_string(R);
+  };
+  v.latent_dim("kv_cache", L, geometry);
+  v.rope_dim("kv_cache", R, geometry);
+  GatherCacheArgs a;
+  a.cache = v.cache("kv_cache", cache, L, R, nullptr);
+  v.tensor("out", out, 2, out_dims);
+  MLAKV_ARG_CHECK(v, out.dtype == DType::kBFloat16 || out.dtype == DType::kFloat32, "out",
+                  "expected bfloat16 or float32, got ", out.describe());
+  v.dim("out", out, 1, L + R, "L + R (from kv_cache)");
+  a.kv_lora_rank = L;
+  a.rope_dim = R;
+  a.num_blocks = cache.num_blocks;
+  a.out = out.data;
+  a.out_dtype = out.dtype;
+  a.stride_out_token = out.stride[0];
+  return a;
+}
+
+}  // namespace
+
+GatherCacheArgs validate_gather_cache_slots(const char* op, const GatherCacheSlotsParams& p,
+                                            const Context& ctx, Device* device) {
+  Validator v(op);
+  const int64_t N = p.num_tokens;
+  check_num_tokens(v, "num_tokens", N);
+  GatherCacheArgs a = gather_common(v, p.kv_cache, p.out, "[N, L + R]");
+  v.rows("out", p.out, N, "N");
+  a.slots = index_tensor(v, "slots", p.slots, N, "N");
+  check_context(v, ctx);
+  a.num_rows = N;
+  a.error_counts = ctx.error_counts;
+  *device = v.device();
+  return a;
+}
+
+GatherCacheArgs validate_gather_cache_sequences(const char* op, const GatherCacheSequencesParams& p,
+                                                const Context& ctx, Device* device) {
+  Validator v(op);
+  const int64_t B = p.num_seqs;
+  check_num_tokens(v, "num_seqs", B);
+  GatherCacheArgs a = gather_common(v, p.kv_cache, p.out, "[num_out_rows, L + R]");
+  v.tensor("block_table", p.block_table, 2, "[B, max_blocks_per_seq]");
+  v.dtype("block_table", p.block_table, DType::kInt32, "block ids");
+  v.rows("block_table", p.block_table, B, "B");
+  v.tensor("cu_seq_lens", p.cu_seq_lens, 1, "[B + 1]");
+  v.dtype("cu_seq_lens", p.cu_seq_lens, DType::kInt32, "cumulative sequence lengths");
+  v.rows("cu_seq_lens", p.cu_seq_lens, B + 1, "B + 1");
+  check_context(v, ctx);
+  a.block_table = static_cast<const int32_t*>(p.block_table.data);
+  a.stride_block_table_seq = p.block_table.stride[0];
+  a.max_blocks_per_seq = p.block_table.shape[1];
+  a.cu_seq_lens = static_cast<const int32_t*>(p.cu_seq_lens.data);
+  a.num_seqs = B;
+  a.num_rows = p.out.shape[0];
+  a.error_counts = ctx.error_counts;
+  *device = v.device();
+  return a;
+}
+
+void validate_error_counts(const char* op, const int32_t* error_counts, Device device) {
+  Validator v(op);
+  MLAKV_ARG_CHECK(v, error_counts != nullptr, "error_counts", "expected an int32[",
+                  kNumErrorCounters, "] buffer, got nullptr");
+  v.scalar_ptr("error_counts", error_counts, "int32 counter array");
+  v.device_of("device", device, [&] { return device_name(device); });
+}
+
+}  // namespace core
+}  // namespace mlakv

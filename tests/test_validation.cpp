@@ -1,0 +1,847 @@
+// Argument validation: every rejected argument throws mlakv::Error whose message names it, and
+// nothing (cache, outputs, in-place inputs) is written. CPU memory only.
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "mlakv/mlakv.h"
+
+namespace {
+
+using mlakv::CacheFormat;
+using mlakv::DType;
+using mlakv::TensorView;
+
+constexpr uint8_t kSentinel = 0xa5;
+
+// 256-byte aligned CPU buffer from the library's own allocator.
+class Buffer {
+ public:
+  explicit Buffer(size_t bytes) : bytes_(bytes), data_(mlakv::device_alloc({}, bytes)) {}
+  ~Buffer() { mlakv::device_free({}, data_); }
+  Buffer(const Buffer&) = delete;
+  Buffer& operator=(const Buffer&) = delete;
+  void* data() const { return data_; }
+  size_t bytes() const { return bytes_; }
+  std::vector<uint8_t> snapshot() const {
+    const uint8_t* p = static_cast<const uint8_t*>(data_);
+    return std::vector<uint8_t>(p, p + bytes_);
+  }
+
+ private:
+  size_t bytes_;
+  void* data_;
+};
+
+// Every buffer of a test: random inputs (bf16 values in [-2, 2), valid indices) and
+// sentinel-filled outputs; snapshots of all of them prove that a rejected call wrote nothing.
+class Arena {
+ public:
+  void* random_bf16(size_t elems) {
+    Buffer& b = add(elems * 2);
+    uint16_t* p = static_cast<uint16_t*>(b.data());
+    std::uniform_real_distribution<float> dist(-2.0f, 2.0f);
+    for (size_t i = 0; i < elems; ++i) {
+      float f = dist(rng_);
+      uint32_t u;
+      std::memcpy(&u, &f, 4);
+      p[i] = static_cast<uint16_t>(u >> 16);
+    }
+    return b.data();
+  }
+  void* random_f32(size_t elems) {
+    Buffer& b = add(elems * 4);
+    float* p = static_cast<float*>(b.data());
+    std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
+    for (size_t i = 0; i < elems; ++i) p[i] = dist(rng_);
+    return b.data();
+  }
+  void* indices(std::vector<int64_t> values) {
+    Buffer& b = add(values.size() * 8);
+    std::memcpy(b.data(), values.data(), values.size() * 8);
+    return b.data();
+  }
+  void* indices32(std::vector<int32_t> values) {
+    Buffer& b = add(values.size() * 4);
+    std::memcpy(b.data(), values.data(), values.size() * 4);
+    return b.data();
+  }
+  void* sentinel(size_t bytes) {
+    Buffer& b = add(bytes);
+    std::memset(b.data(), kSentinel, bytes);
+    return b.data();
+  }
+  std::vector<std::vector<uint8_t>> snapshot() const {
+    std::vector<std::vector<uint8_t>> s;
+    for (const auto& b : buffers_) s.push_back(b->snapshot());
+    return s;
+  }
+
+ private:
+  Buffer& add(size_t bytes) {
+    buffers_.push_back(std::make_unique<Buffer>(bytes));
+    return *buffers_.back();
+  }
+  std::mt19937 rng_{20261202};
+  std::vector<std::unique_ptr<Buffer>> buffers_;
+};
+
+// Calls fn, expects an mlakv::Error whose message contains `argument`, and that no buffer of the
+// arena changed.
+void expect_rejected(const Arena& arena, const std::function<void()>& fn,
+                     const std::string& argument) {
+  const auto before = arena.snapshot();
+  bool thrown = false;
+  try {
+    fn();
+  } catch (const mlakv::Error& e) {
+    thrown = true;
+    EXPECT_NE(std::string(e.what()).find(argument), std::string::npos)
+        << "message does not name '" << argument << "': " << e.what();
+  } catch (const std::exception& e) {
+    ADD_FAILURE() << "expected mlakv::Error, got another exception: " << e.what();
+    return;
+  }
+  EXPECT_TRUE(thrown) << "expected mlakv::Error naming '" << argument << "', nothing thrown";
+  EXPECT_TRUE(arena.snapshot() == before) << "a rejected call wrote memory";
+}
+
+// A small valid mixed batch: T = 4 (Td = 2), H = 2, L = 512, R = 64, P = 16, bf16, combined bf16
+// cache of 2 blocks of 4 slots.
+class MlaValidation : public ::testing::Test {
+ protected:
+  static constexpr int64_t T = 4, Td = 2, H = 2, L = 512, R = 64, P = 16, kMaxPos = 32;
+  static constexpr int64_t kBlocks = 2, kBlockSize = 4;
+
+  MlaValidation() {
+    cache_ = arena_.sentinel(
+        static_cast<size_t>(mlakv::cache_bytes(CacheFormat::kBFloat16, kBlocks, kBlockSize, L, R)));
+    ds_cache_ = arena_.sentinel(static_cast<size_t>(
+        mlakv::cache_bytes(CacheFormat::kFloat8DsMla, kBlocks, kBlockSize, L, R)));
+    error_counts_ = static_cast<int32_t*>(arena_.sentinel(4 * mlakv::kNumErrorCounters));
+    std::memset(error_counts_, 0, 4 * mlakv::kNumErrorCounters);
+
+    p_.num_tokens = T;
+    p_.num_decode_tokens = Td;
+    p_.positions = mlakv::make_view(arena_.indices({3, 0, 17, 31}), DType::kInt64, {T});
+    p_.slot_mapping = mlakv::make_view(arena_.indices({5, -1, 0, 7}), DType::kInt64, {T});
+    p_.cos_sin_cache =
+        mlakv::make_view(arena_.random_f32(kMaxPos * R), DType::kFloat32, {kMaxPos, R});
+    p_.kv_c = mlakv::make_view(arena_.random_bf16(T * L), DType::kBFloat16, {T, L});
+    p_.k_pe = mlakv::make_view(arena_.random_bf16(T * R), DType::kBFloat16, {T, R});
+    p_.kv_norm_weight = mlakv::make_view(arena_.random_bf16(L), DType::kBFloat16, {L});
+    p_.kv_cache = mlakv::make_cache_view(cache_, CacheFormat::kBFloat16, kBlocks, kBlockSize, L, R);
+    p_.k_pe_out = mlakv::make_view(arena_.sentinel(T * R * 2), DType::kBFloat16, {T, R});
+    p_.kv_c_out = mlakv::make_view(arena_.sentinel(T * L * 2), DType::kBFloat16, {T, L});
+    p_.q_pe = mlakv::make_view(arena_.random_bf16(T * H * R), DType::kBFloat16, {T, H, R});
+    p_.ql_nope = mlakv::make_view(arena_.random_bf16(T * H * L), DType::kBFloat16, {T, H, L});
+    p_.q_out =
+        mlakv::make_view(arena_.sentinel(T * H * (L + R) * 2), DType::kBFloat16, {T, H, L + R});
+    fp8_q_out_ =
+        mlakv::make_view(arena_.sentinel(T * H * (L + R)), DType::kFloat8E4M3, {T, H, L + R});
+    p_.q = mlakv::make_view(arena_.random_bf16(T * H * (P + R)), DType::kBFloat16, {T, H, P + R});
+    p_.q_prefill_out =
+        mlakv::make_view(arena_.sentinel(T * H * (P + R) * 2), DType::kBFloat16, {T, H, P + R});
+    scale_ = static_cast<float*>(arena_.sentinel(4));
+    *scale_ = 0.5f;
+  }
+
+  void reject(const mlakv::MlaRopeCacheParams& p, const std::string& argument,
+              const mlakv::Context& ctx = {}) {
+    expect_rejected(
+        arena_, [&] { mlakv::mla_rope_cache(p, ctx); }, argument);
+  }
+
+  Arena arena_;
+  void* cache_ = nullptr;
+  void* ds_cache_ = nullptr;
+  int32_t* error_counts_ = nullptr;
+  float* scale_ = nullptr;
+  TensorView fp8_q_out_;
+  mlakv::MlaRopeCacheParams p_;
+};
+
+TEST_F(MlaValidation, ValidCallSucceeds) {
+  mlakv::Context ctx;
+  ctx.error_counts = error_counts_;
+  ctx.checked = true;
+  const auto before = arena_.snapshot();
+  EXPECT_NO_THROW(mlakv::mla_rope_cache(p_, ctx));
+  // Slot 5 (token 0) was written; the positive control for the "nothing written" checks.
+  const uint8_t* entry = static_cast<const uint8_t*>(cache_) +
+                         5 * mlakv::cache_entry_bytes(CacheFormat::kBFloat16, L, R);
+  bool changed = false;
+  for (int64_t i = 0; i < (L + R) * 2; ++i) changed |= entry[i] != kSentinel;
+  EXPECT_TRUE(changed);
+  EXPECT_FALSE(arena_.snapshot() == before);
+}
+
+TEST_F(MlaValidation, ValidVariantsSucceed) {
+  mlakv::MlaRopeCacheParams p = p_;
+  p.q_out = fp8_q_out_;
+  p.q_scale = scale_;
+  EXPECT_NO_THROW(mlakv::mla_rope_cache(p));
+  p = p_;
+  p.k_pe_out = p.k_pe;  // exact alias: in place
+  p.kv_c_out = p.kv_c;
+  p.q_prefill_out = TensorView{};
+  EXPECT_NO_THROW(mlakv::mla_rope_cache(p));
+  p = p_;
+  p.kv_cache =
+      mlakv::make_cache_view(ds_cache_, CacheFormat::kFloat8DsMla, kBlocks, kBlockSize, L, R);
+  p.kv_cache.ds_mla_pow2_scale = true;
+  EXPECT_NO_THROW(mlakv::mla_rope_cache(p));
+  p = p_;
+  // Split per-tensor fp8 cache: latent block 0 at cache_, rope block 0 after it.
+  p.kv_cache = mlakv::make_split_cache_view(cache_, static_cast<uint8_t*>(cache_) + 4096,
+                                            CacheFormat::kFloat8E5M2, 1, kBlockSize, L, R);
+  p.kv_cache.scale = scale_;
+  p.slot_mapping = mlakv::make_view(arena_.indices32({3, -1, 0, 1}), DType::kInt32, {T});
+  EXPECT_NO_THROW(mlakv::mla_rope_cache(p));
+  p = p_;
+  p.q = TensorView{};  // K side and decode Q side only
+  p.q_prefill_out = TensorView{};
+  EXPECT_NO_THROW(mlakv::mla_rope_cache(p));
+  EXPECT_NO_THROW(mlakv::mla_rope_cache_decode(p));
+  p.num_tokens = 0;
+  p.num_decode_tokens = 0;
+  EXPECT_NO_THROW(mlakv::mla_rope_cache(p));
+}
+
+TEST_F(MlaValidation, NegativeNumTokens) {
+  p_.num_tokens = -1;
+  reject(p_, "num_tokens");
+}
+
+TEST_F(MlaValidation, KvCAbsent) {
+  p_.kv_c = TensorView{};
+  reject(p_, "kv_c");
+}
+
+TEST_F(MlaValidation, KvCWrongDims) {
+  p_.kv_c = mlakv::make_view(p_.kv_c.data, DType::kBFloat16, {T, L, 1});
+  reject(p_, "kv_c");
+}
+
+TEST_F(MlaValidation, KvCNotAModelDtype) {
+  p_.kv_c.dtype = DType::kInt32;
+  reject(p_, "kv_c");
+}
+
+TEST_F(MlaValidation, KPeDtypeDiffersFromKvC) {
+  p_.k_pe.dtype = DType::kFloat16;
+  reject(p_, "k_pe");
+}
+
+TEST_F(MlaValidation, LatentNotMultipleOf16) {
+  p_.kv_c = mlakv::make_view(p_.kv_c.data, DType::kBFloat16, {T, 504});
+  reject(p_, "kv_c");
+}
+
+TEST_F(MlaValidation, LatentTooWide) {
+  p_.kv_c = mlakv::make_view(p_.kv_c.data, DType::kBFloat16, {1, 1040});
+  reject(p_, "kv_c");
+}
+
+TEST_F(MlaValidation, RopeDimOdd) {
+  p_.k_pe = mlakv::make_view(p_.k_pe.data, DType::kBFloat16, {T, 63});
+  reject(p_, "k_pe");
+}
+
+TEST_F(MlaValidation, KvCTooFewRows) {
+  p_.kv_c.shape[0] = T - 1;
+  reject(p_, "kv_c");
+}
+
+TEST_F(MlaValidation, InnermostStrideNotOne) {
+  p_.k_pe = mlakv::make_strided_view(p_.k_pe.data, DType::kBFloat16, {2, R / 2}, {R, 2});
+  p_.num_tokens = 2;
+  p_.num_decode_tokens = 2;
+  reject(p_, "k_pe");
+}
+
+TEST_F(MlaValidation, ZeroStrideOnRowDim) {
+  p_.kv_c.stride[0] = 0;
+  reject(p_, "kv_c");
+}
+
+TEST_F(MlaValidation, NegativeStride) {
+  p_.q_out.stride[1] = -(L + R);
+  reject(p_, "q_out");
+}
+
+TEST_F(MlaValidation, MisalignedBf16Pointer) {
+  p_.kv_c.data = static_cast<uint8_t*>(p_.kv_c.data) + 1;
+  reject(p_, "kv_c");
+}
+
+TEST_F(MlaValidation, NullData) {
+  p_.k_pe.data = nullptr;
+  reject(p_, "k_pe");
+}
+
+TEST_F(MlaValidation, PositionsFloat) {
+  p_.positions.dtype = DType::kFloat32;
+  reject(p_, "positions");
+}
+
+TEST_F(MlaValidation, SlotMappingTooShort) {
+  p_.slot_mapping.shape[0] = T - 1;
+  reject(p_, "slot_mapping");
+}
+
+TEST_F(MlaValidation, CosSinWrongWidth) {
+  p_.cos_sin_cache = mlakv::make_view(p_.cos_sin_cache.data, DType::kFloat32, {kMaxPos / 2, 2 * R});
+  reject(p_, "cos_sin_cache");
+}
+
+TEST_F(MlaValidation, CosSinWrongDtype) {
+  p_.cos_sin_cache.dtype = DType::kFloat8E4M3;
+  reject(p_, "cos_sin_cache");
+}
+
+TEST_F(MlaValidation, CosSinNoRows) {
+  p_.cos_sin_cache.shape[0] = 0;
+  reject(p_, "cos_sin_cache");
+}
+
+TEST_F(MlaValidation, NormWeightWrongSize) {
+  p_.kv_norm_weight.shape[0] = L - 16;
+  reject(p_, "kv_norm_weight");
+}
+
+TEST_F(MlaValidation, NormEpsNotPositive) {
+  p_.kv_norm_eps = 0.0f;
+  reject(p_, "kv_norm_eps");
+}
+
+TEST_F(MlaValidation, CacheGeometryMismatch) {
+  p_.kv_cache.kv_lora_rank = 256;
+  reject(p_, "kv_cache");
+}
+
+TEST_F(MlaValidation, CacheBlockSizeZero) {
+  p_.kv_cache.block_size = 0;
+  reject(p_, "kv_cache");
+}
+
+TEST_F(MlaValidation, CacheNegativeBlocks) {
+  p_.kv_cache.num_blocks = -1;
+  reject(p_, "kv_cache");
+}
+
+TEST_F(MlaValidation, CacheTokenStrideTooSmall) {
+  p_.kv_cache.stride_token_bytes -= 2;
+  reject(p_, "kv_cache");
+}
+
+TEST_F(MlaValidation, CacheBlockStrideTooSmall) {
+  p_.kv_cache.stride_block_bytes -= 2;
+  reject(p_, "kv_cache");
+}
+
+TEST_F(MlaValidation, CacheStrideMisaligned) {
+  p_.kv_cache.stride_token_bytes += 1;
+  p_.kv_cache.stride_block_bytes = kBlockSize * p_.kv_cache.stride_token_bytes;
+  reject(p_, "kv_cache");
+}
+
+TEST_F(MlaValidation, CacheMisalignedData) {
+  p_.kv_cache.data = static_cast<uint8_t*>(cache_) + 1;
+  reject(p_, "kv_cache");
+}
+
+TEST_F(MlaValidation, CacheUnknownFormat) {
+  p_.kv_cache.format = static_cast<CacheFormat>(42);
+  reject(p_, "kv_cache");
+}
+
+TEST_F(MlaValidation, ScaleOnBf16Cache) {
+  p_.kv_cache.scale = scale_;
+  reject(p_, "kv_cache");
+}
+
+TEST_F(MlaValidation, Pow2ScaleOnBf16Cache) {
+  p_.kv_cache.ds_mla_pow2_scale = true;
+  reject(p_, "kv_cache");
+}
+
+TEST_F(MlaValidation, DsMlaNeedsL512) {
+  // L = 256 everywhere, cache view geometry included: the format itself rejects it.
+  p_.kv_c = mlakv::make_view(p_.kv_c.data, DType::kBFloat16, {T, 256});
+  p_.kv_norm_weight = TensorView{};
+  p_.kv_c_out = TensorView{};
+  p_.q_out = TensorView{};
+  p_.q_pe = TensorView{};
+  p_.ql_nope = TensorView{};
+  p_.num_decode_tokens = 0;
+  p_.kv_cache =
+      mlakv::make_cache_view(ds_cache_, CacheFormat::kFloat8DsMla, kBlocks, kBlockSize, L, R);
+  p_.kv_cache.kv_lora_rank = 256;
+  reject(p_, "kv_cache");
+}
+
+TEST_F(MlaValidation, DsMlaNeedsBf16) {
+  p_.kv_cache =
+      mlakv::make_cache_view(ds_cache_, CacheFormat::kFloat8DsMla, kBlocks, kBlockSize, L, R);
+  for (TensorView* t : {&p_.kv_c, &p_.k_pe, &p_.kv_norm_weight, &p_.k_pe_out, &p_.kv_c_out,
+                        &p_.q_pe, &p_.ql_nope, &p_.q_out, &p_.q, &p_.q_prefill_out}) {
+    t->dtype = DType::kFloat16;
+  }
+  reject(p_, "kv_cache");
+}
+
+TEST_F(MlaValidation, DsMlaSplitRejected) {
+  p_.kv_cache =
+      mlakv::make_cache_view(ds_cache_, CacheFormat::kFloat8DsMla, kBlocks, kBlockSize, L, R);
+  p_.kv_cache.rope_data = cache_;
+  reject(p_, "kv_cache");
+}
+
+TEST_F(MlaValidation, SplitCacheRopeStrideTooSmall) {
+  p_.kv_cache = mlakv::make_split_cache_view(cache_, static_cast<uint8_t*>(cache_) + 4096,
+                                             CacheFormat::kBFloat16, 1, kBlockSize, L, R);
+  p_.kv_cache.stride_rope_token_bytes = R * 2 - 2;
+  reject(p_, "kv_cache");
+}
+
+TEST_F(MlaValidation, SplitCacheMissingLatentData) {
+  p_.kv_cache =
+      mlakv::make_split_cache_view(nullptr, cache_, CacheFormat::kBFloat16, 1, kBlockSize, L, R);
+  reject(p_, "kv_cache");
+}
+
+TEST_F(MlaValidation, DeviceMismatch) {
+  // A CUDA k_pe next to a CPU kv_c: rejected whether or not the CUDA backend is built.
+  p_.k_pe.device = {mlakv::DeviceType::kCUDA, 0};
+  reject(p_, "k_pe");
+}
+
+TEST_F(MlaValidation, CacheDeviceMismatch) {
+  p_.kv_cache.device = {mlakv::DeviceType::kCUDA, 0};
+  reject(p_, "kv_cache");
+}
+
+TEST_F(MlaValidation, DecodeCountAboveT) {
+  p_.num_decode_tokens = T + 1;
+  reject(p_, "num_decode_tokens");
+}
+
+TEST_F(MlaValidation, DecodeCountNegative) {
+  p_.num_decode_tokens = -1;
+  reject(p_, "num_decode_tokens");
+}
+
+TEST_F(MlaValidation, DecodeTokensNeedQOut) {
+  p_.q_out = TensorView{};
+  p_.q_pe = TensorView{};
+  p_.ql_nope = TensorView{};
+  reject(p_, "q_out");
+}
+
+TEST_F(MlaValidation, DecodeOpNeedsQOut) {
+  p_.q_out = TensorView{};
+  p_.q_pe = TensorView{};
+  p_.ql_nope = TensorView{};
+  p_.num_decode_tokens = 0;
+  expect_rejected(
+      arena_, [&] { mlakv::mla_rope_cache_decode(p_); }, "q_out");
+}
+
+TEST_F(MlaValidation, PrefillOpNeedsQ) {
+  p_.q = TensorView{};
+  p_.q_prefill_out = TensorView{};
+  expect_rejected(
+      arena_, [&] { mlakv::mla_rope_cache_prefill(p_); }, "q");
+}
+
+TEST_F(MlaValidation, QOutWithoutQPe) {
+  p_.q_pe = TensorView{};
+  reject(p_, "q_pe");
+}
+
+TEST_F(MlaValidation, QPeWithoutQOut) {
+  p_.q_out = TensorView{};
+  p_.num_decode_tokens = 0;
+  reject(p_, "q_pe");
+}
+
+TEST_F(MlaValidation, QOutWrongLastDim) {
+  p_.q_out.shape[2] = L + R - 2;
+  reject(p_, "q_out");
+}
+
+TEST_F(MlaValidation, QOutTooFewRowsForTd) {
+  p_.q_out.shape[0] = Td - 1;
+  reject(p_, "q_out");
+}
+
+TEST_F(MlaValidation, DeviceTdNeedsTRows) {
+  // With Td on the device, decode tensors need T rows; Td rows are not enough.
+  const int32_t* device_td = static_cast<const int32_t*>(arena_.indices32({Td}));
+  p_.num_decode_tokens_device = device_td;
+  p_.q_out.shape[0] = Td;
+  reject(p_, "q_out");
+}
+
+TEST_F(MlaValidation, QOutHeadsDifferFromQPe) {
+  p_.q_pe.shape[1] = 1;
+  reject(p_, "q_pe");
+}
+
+TEST_F(MlaValidation, QOutWrongDtype) {
+  p_.q_out.dtype = DType::kFloat16;
+  reject(p_, "q_out");
+}
+
+TEST_F(MlaValidation, Fp8QOutNeedsQlNope) {
+  p_.q_out = fp8_q_out_;
+  p_.ql_nope = TensorView{};
+  reject(p_, "ql_nope");
+}
+
+TEST_F(MlaValidation, Fp8QOutMustNotAliasQlNope) {
+  // ql_nope read from the bytes of the fp8 q_out it would be quantized into.
+  p_.q_out = fp8_q_out_;
+  p_.ql_nope = mlakv::make_view(fp8_q_out_.data, DType::kBFloat16, {T / 2, H, L});
+  p_.num_decode_tokens = T / 2;
+  reject(p_, "ql_nope");
+}
+
+TEST_F(MlaValidation, Fp8QOutMustNotAliasQPe) {
+  p_.q_out = fp8_q_out_;
+  p_.q_pe = mlakv::make_view(fp8_q_out_.data, DType::kBFloat16, {T / 2, H, R});
+  p_.num_decode_tokens = T / 2;
+  reject(p_, "q_pe");
+}
+
+TEST_F(MlaValidation, QPeInsideBf16QOutIsAllowed) {
+  // The absorb path may leave q_pe in q_out's rope part: rotated in place.
+  p_.q_pe = mlakv::make_strided_view(static_cast<uint16_t*>(p_.q_out.data) + L, DType::kBFloat16,
+                                     {T, H, R}, {H * (L + R), L + R, 1});
+  p_.ql_nope =
+      mlakv::make_strided_view(p_.q_out.data, DType::kBFloat16, {T, H, L}, {H * (L + R), L + R, 1});
+  EXPECT_NO_THROW(mlakv::mla_rope_cache(p_));
+}
+
+TEST_F(MlaValidation, QlNopePartialAlias) {
+  // Starts at q_out but with another head stride: neither q_out's nope part nor disjoint.
+  p_.ql_nope =
+      mlakv::make_strided_view(p_.q_out.data, DType::kBFloat16, {T, H, L}, {H * (L + R), L, 1});
+  reject(p_, "ql_nope");
+}
+
+TEST_F(MlaValidation, QScaleWithBf16QOut) {
+  p_.q_scale = scale_;
+  reject(p_, "q_scale");
+}
+
+TEST_F(MlaValidation, QScaleMisaligned) {
+  p_.q_out = fp8_q_out_;
+  p_.q_scale = reinterpret_cast<const float*>(reinterpret_cast<const uint8_t*>(scale_) + 2);
+  reject(p_, "q_scale");
+}
+
+TEST_F(MlaValidation, QWidthBelowR) {
+  p_.q = mlakv::make_view(p_.q.data, DType::kBFloat16, {T, H, R - 2});
+  p_.q_prefill_out = TensorView{};
+  reject(p_, "q");
+}
+
+TEST_F(MlaValidation, QHeadsDifferFromQOut) {
+  p_.q.shape[1] = 1;
+  reject(p_, "q");
+}
+
+TEST_F(MlaValidation, QPrefillOutWithoutQ) {
+  p_.q = TensorView{};
+  reject(p_, "q_prefill_out");
+}
+
+TEST_F(MlaValidation, QPrefillOutWrongShape) {
+  p_.q_prefill_out.shape[2] = P;
+  reject(p_, "q_prefill_out");
+}
+
+TEST_F(MlaValidation, KPeOutPartialAlias) {
+  p_.k_pe_out = mlakv::make_strided_view(p_.k_pe.data, DType::kBFloat16, {T / 2, R}, {2 * R, 1});
+  p_.num_tokens = T / 2;
+  p_.num_decode_tokens = T / 2;
+  reject(p_, "k_pe_out");
+}
+
+TEST_F(MlaValidation, KvCOutWrongWidth) {
+  p_.kv_c_out.shape[1] = L / 2;
+  reject(p_, "kv_c_out");
+}
+
+TEST_F(MlaValidation, CheckedNeedsErrorCounts) {
+  mlakv::Context ctx;
+  ctx.checked = true;
+  reject(p_, "error_counts", ctx);
+}
+
+TEST_F(MlaValidation, MisalignedErrorCounts) {
+  mlakv::Context ctx;
+  ctx.error_counts = reinterpret_cast<int32_t*>(reinterpret_cast<uint8_t*>(error_counts_) + 1);
+  reject(p_, "error_counts", ctx);
+}
+
+TEST_F(MlaValidation, CheckedModeReportsBadSlot) {
+  mlakv::Context ctx;
+  ctx.error_counts = error_counts_;
+  ctx.checked = true;
+  p_.slot_mapping =
+      mlakv::make_view(arena_.indices({5, -1, 0, kBlocks * kBlockSize}), DType::kInt64, {T});
+  try {
+    mlakv::mla_rope_cache(p_, ctx);
+    ADD_FAILURE() << "checked mode did not report the out-of-range slot";
+  } catch (const mlakv::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("bad_slot"), std::string::npos) << e.what();
+  }
+  int32_t counts[mlakv::kNumErrorCounters];
+  mlakv::read_error_counts(error_counts_, {}, counts);
+  EXPECT_EQ(counts[mlakv::kBadSlot], 1);
+  EXPECT_THROW(mlakv::read_error_counts(error_counts_, {}, counts, nullptr, true), mlakv::Error);
+  mlakv::reset_error_counts(error_counts_, {});
+  EXPECT_NO_THROW(mlakv::read_error_counts(error_counts_, {}, counts, nullptr, true));
+}
+
+// ---- the other ops --------------------------------------------------------------------------
+
+class OpsValidation : public ::testing::Test {
+ protected:
+  static constexpr int64_t T = 3, H = 2, L = 64, R = 32, kHead = 48, kMaxPos = 16;
+
+  Arena arena_;
+};
+
+TEST_F(OpsValidation, RotaryEmbedding) {
+  mlakv::RotaryEmbeddingParams p;
+  p.num_tokens = T;
+  p.positions = mlakv::make_view(arena_.indices({0, 5, 15}), DType::kInt64, {T});
+  p.query = mlakv::make_view(arena_.random_bf16(T * H * kHead), DType::kBFloat16, {T, H, kHead});
+  p.key = mlakv::make_view(arena_.random_bf16(T * 1 * kHead), DType::kBFloat16, {T, 1, kHead});
+  p.cos_sin_cache = mlakv::make_view(arena_.random_f32(kMaxPos * R), DType::kFloat32, {kMaxPos, R});
+  EXPECT_NO_THROW(mlakv::rotary_embedding(p));
+
+  mlakv::RotaryEmbeddingParams bad = p;
+  bad.cos_sin_cache = mlakv::make_view(p.cos_sin_cache.data, DType::kFloat32, {kMaxPos / 4, 64});
+  expect_rejected(
+      arena_, [&] { mlakv::rotary_embedding(bad); }, "cos_sin_cache");
+  bad = p;
+  bad.query = mlakv::make_view(arena_.random_bf16(1 * 1 * 520), DType::kBFloat16, {1, 1, 520});
+  bad.key = TensorView{};
+  bad.num_tokens = 1;
+  bad.cos_sin_cache = mlakv::make_view(arena_.random_f32(2 * 258), DType::kFloat32, {2, 258});
+  expect_rejected(
+      arena_, [&] { mlakv::rotary_embedding(bad); }, "cos_sin_cache");
+  bad = p;
+  bad.key.shape[2] = kHead - 2;
+  expect_rejected(
+      arena_, [&] { mlakv::rotary_embedding(bad); }, "key");
+  bad = p;
+  bad.key.dtype = DType::kFloat32;
+  expect_rejected(
+      arena_, [&] { mlakv::rotary_embedding(bad); }, "key");
+  bad = p;
+  bad.query.shape[0] = T - 1;
+  expect_rejected(
+      arena_, [&] { mlakv::rotary_embedding(bad); }, "query");
+  bad = p;
+  bad.positions.dtype = DType::kUInt8;
+  expect_rejected(
+      arena_, [&] { mlakv::rotary_embedding(bad); }, "positions");
+}
+
+TEST_F(OpsValidation, ConcatAndCacheMla) {
+  void* cache = arena_.sentinel(
+      static_cast<size_t>(mlakv::cache_bytes(CacheFormat::kFloat8E4M3, 1, 4, L, R)));
+  mlakv::ConcatAndCacheMlaParams p;
+  p.num_tokens = T;
+  p.kv_c = mlakv::make_view(arena_.random_bf16(T * L), DType::kBFloat16, {T, L});
+  p.k_pe = mlakv::make_view(arena_.random_bf16(T * R), DType::kBFloat16, {T, R});
+  p.slot_mapping = mlakv::make_view(arena_.indices32({0, 3, -1}), DType::kInt32, {T});
+  p.kv_cache = mlakv::make_cache_view(cache, CacheFormat::kFloat8E4M3, 1, 4, L, R);
+  EXPECT_NO_THROW(mlakv::concat_and_cache_mla(p));
+
+  mlakv::ConcatAndCacheMlaParams bad = p;
+  bad.slot_mapping.dtype = DType::kFloat32;
+  expect_rejected(
+      arena_, [&] { mlakv::concat_and_cache_mla(bad); }, "slot_mapping");
+  bad = p;
+  bad.kv_cache.rope_dim = 16;
+  expect_rejected(
+      arena_, [&] { mlakv::concat_and_cache_mla(bad); }, "kv_cache");
+  bad = p;
+  bad.kv_cache.format = CacheFormat::kFloat8DsMla;
+  expect_rejected(
+      arena_, [&] { mlakv::concat_and_cache_mla(bad); }, "kv_cache");
+  bad = p;
+  bad.k_pe = mlakv::make_view(p.k_pe.data, DType::kBFloat16, {T, R / 2});
+  expect_rejected(
+      arena_, [&] { mlakv::concat_and_cache_mla(bad); }, "kv_cache");
+}
+
+TEST_F(OpsValidation, DecodeQConcat) {
+  mlakv::DecodeQConcatParams p;
+  p.num_tokens = T;
+  p.ql_nope = mlakv::make_view(arena_.random_bf16(T * H * L), DType::kBFloat16, {T, H, L});
+  p.q_pe = mlakv::make_view(arena_.random_bf16(T * H * R), DType::kBFloat16, {T, H, R});
+  void* out8 = arena_.sentinel(T * H * (L + R));
+  p.q_out = mlakv::make_view(out8, DType::kFloat8E5M2, {T, H, L + R});
+  EXPECT_NO_THROW(mlakv::decode_q_concat(p));
+
+  mlakv::DecodeQConcatParams bad = p;
+  bad.ql_nope = mlakv::make_strided_view(out8, DType::kBFloat16, {1, H, L},
+                                         {H * (L + R) / 2, (L + R) / 2, 1});
+  bad.num_tokens = 1;
+  expect_rejected(
+      arena_, [&] { mlakv::decode_q_concat(bad); }, "ql_nope");
+  bad = p;
+  bad.q_out =
+      mlakv::make_view(arena_.sentinel(T * H * (L + R) * 2), DType::kBFloat16, {T, H, L + R});
+  bad.q_scale = static_cast<const float*>(arena_.random_f32(1));
+  expect_rejected(
+      arena_, [&] { mlakv::decode_q_concat(bad); }, "q_scale");
+  bad = p;
+  bad.q_pe.shape[2] = R - 2;
+  expect_rejected(
+      arena_, [&] { mlakv::decode_q_concat(bad); }, "q_out");
+}
+
+TEST_F(OpsValidation, RmsNorm) {
+  mlakv::RmsNormParams p;
+  p.num_tokens = T;
+  p.input = mlakv::make_view(arena_.random_bf16(T * L), DType::kBFloat16, {T, L});
+  p.weight = mlakv::make_view(arena_.random_bf16(L), DType::kBFloat16, {L});
+  p.output = p.input;  // in place is allowed
+  EXPECT_NO_THROW(mlakv::rms_norm(p));
+
+  mlakv::RmsNormParams bad = p;
+  bad.weight.shape[0] = L - 1;
+  expect_rejected(
+      arena_, [&] { mlakv::rms_norm(bad); }, "weight");
+  bad = p;
+  bad.eps = -1.0f;
+  expect_rejected(
+      arena_, [&] { mlakv::rms_norm(bad); }, "eps");
+  bad = p;
+  bad.output = mlakv::make_strided_view(p.input.data, DType::kBFloat16, {1, L}, {2 * L, 1});
+  bad.output.shape[0] = T;
+  expect_rejected(
+      arena_, [&] { mlakv::rms_norm(bad); }, "output");
+}
+
+TEST_F(OpsValidation, GatherCache) {
+  void* cache =
+      arena_.sentinel(static_cast<size_t>(mlakv::cache_bytes(CacheFormat::kBFloat16, 2, 4, L, R)));
+  mlakv::GatherCacheSlotsParams p;
+  p.num_tokens = T;
+  p.kv_cache = mlakv::make_cache_view(cache, CacheFormat::kBFloat16, 2, 4, L, R);
+  p.slots = mlakv::make_view(arena_.indices({1, -1, 7}), DType::kInt64, {T});
+  p.out = mlakv::make_view(arena_.sentinel(T * (L + R) * 4), DType::kFloat32, {T, L + R});
+  EXPECT_NO_THROW(mlakv::gather_cache_slots(p));
+
+  mlakv::GatherCacheSlotsParams bad = p;
+  bad.out.dtype = DType::kFloat16;
+  expect_rejected(
+      arena_, [&] { mlakv::gather_cache_slots(bad); }, "out");
+  bad = p;
+  bad.slots.shape[0] = T - 1;
+  expect_rejected(
+      arena_, [&] { mlakv::gather_cache_slots(bad); }, "slots");
+
+  mlakv::GatherCacheSequencesParams s;
+  s.num_seqs = 2;
+  s.kv_cache = p.kv_cache;
+  s.block_table = mlakv::make_view(arena_.indices32({0, 1, 1, 0}), DType::kInt32, {2, 2});
+  s.cu_seq_lens = mlakv::make_view(arena_.indices32({0, 3, 8}), DType::kInt32, {3});
+  s.out = mlakv::make_view(arena_.sentinel(8 * (L + R) * 2), DType::kBFloat16, {8, L + R});
+  EXPECT_NO_THROW(mlakv::gather_cache_sequences(s));
+
+  mlakv::GatherCacheSequencesParams sbad = s;
+  sbad.block_table.dtype = DType::kInt64;
+  expect_rejected(
+      arena_, [&] { mlakv::gather_cache_sequences(sbad); }, "block_table");
+  sbad = s;
+  sbad.cu_seq_lens.shape[0] = 2;
+  expect_rejected(
+      arena_, [&] { mlakv::gather_cache_sequences(sbad); }, "cu_seq_lens");
+  sbad = s;
+  sbad.out.shape[1] = L;
+  expect_rejected(
+      arena_, [&] { mlakv::gather_cache_sequences(sbad); }, "out");
+}
+
+// ---- names, errors, small helpers ------------------------------------------------------------
+
+TEST(Validation, UnknownCacheFormatName) {
+  try {
+    mlakv::parse_cache_format("fp8_e4m3fnuz");
+    ADD_FAILURE() << "no exception";
+  } catch (const mlakv::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("fp8_e4m3fnuz"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("name"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(mlakv::parse_cache_format(nullptr), mlakv::Error);
+}
+
+TEST(Validation, CacheFormatNamesRoundTrip) {
+  for (CacheFormat f :
+       {CacheFormat::kBFloat16, CacheFormat::kFloat16, CacheFormat::kFloat32,
+        CacheFormat::kFloat8E4M3, CacheFormat::kFloat8E5M2, CacheFormat::kFloat8DsMla}) {
+    EXPECT_EQ(mlakv::parse_cache_format(mlakv::cache_format_name(f)), f);
+  }
+  EXPECT_EQ(mlakv::cache_entry_bytes(CacheFormat::kFloat8DsMla, 512, 64), 656);
+  EXPECT_EQ(mlakv::cache_entry_bytes(CacheFormat::kBFloat16, 512, 64), 1152);
+  EXPECT_EQ(mlakv::cache_entry_bytes(CacheFormat::kFloat8E4M3, 512, 64), 576);
+  EXPECT_EQ(mlakv::cache_latent_dtype(CacheFormat::kFloat8DsMla), DType::kFloat8E4M3);
+  EXPECT_EQ(mlakv::cache_rope_dtype(CacheFormat::kFloat8DsMla), DType::kBFloat16);
+  EXPECT_THROW(mlakv::cache_entry_bytes(CacheFormat::kFloat8DsMla, 256, 64), mlakv::Error);
+}
+
+TEST(Validation, ErrorWhatIsBasenameLineMessage) {
+  try {
+    MLAKV_FAIL("some_arg: expected ", 1, ", got ", 2);
+  } catch (const mlakv::Error& e) {
+    const std::string what = e.what();
+    EXPECT_EQ(e.message(), "some_arg: expected 1, got 2");
+    EXPECT_EQ(what.rfind("test_validation.cpp:", 0), 0u) << what;
+    EXPECT_EQ(what.substr(what.size() - e.message().size()), e.message());
+  }
+}
+
+TEST(Validation, DescribeAndViews) {
+  int64_t dummy[8] = {};
+  TensorView v = mlakv::make_view(dummy, DType::kBFloat16, {2, 4});
+  EXPECT_EQ(v.describe(), "bfloat16[2, 4] strides [4, 1] on cpu");
+  EXPECT_EQ(v.numel(), 8);
+  EXPECT_TRUE(v.is_contiguous());
+  TensorView s = mlakv::make_strided_view(dummy, DType::kFloat32, {2, 2}, {4, 1});
+  EXPECT_FALSE(s.is_contiguous());
+  EXPECT_EQ(mlakv::device_name({mlakv::DeviceType::kCUDA, 3}), "cuda:3");
+  EXPECT_THROW(mlakv::make_strided_view(dummy, DType::kFloat32, {2, 2}, {1}), mlakv::Error);
+}
+
+TEST(Validation, ErrorCountsArguments) {
+  int32_t host[mlakv::kNumErrorCounters];
+  expect_rejected(
+      Arena{}, [&] { mlakv::read_error_counts(nullptr, {}, host); }, "error_counts");
+  expect_rejected(
+      Arena{}, [&] { mlakv::reset_error_counts(nullptr, {}); }, "error_counts");
+}
+
+TEST(Validation, CudaMemoryWithoutBackend) {
+  if (mlakv::cuda_backend_built()) GTEST_SKIP() << "CUDA backend built";
+  EXPECT_THROW(mlakv::device_alloc({mlakv::DeviceType::kCUDA, 0}, 16), mlakv::Error);
+  EXPECT_EQ(mlakv::cuda_device_count(), 0);
+}
+
+}  // namespace
