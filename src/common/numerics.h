@@ -119,67 +119,62 @@ MLAKV_HD float to_float(Half v) {
 }
 
 MLAKV_HD Half float_to_half(float f) {
+  // Written as selects over values computed for every input (no branches) so that host compilers
+  // vectorize it; the bits equal the obvious if/else form for all 2^32 inputs.
   uint32_t u = float_bits(f);
   const uint32_t sign = (u >> 16) & 0x8000u;
   u &= 0x7fffffffu;
-  uint32_t out;
-  if (u > 0x7f800000u) {
-    out = 0x7fffu;  // NaN -> canonical NaN
-  } else if (u >= 0x47800000u) {
-    out = 0x7c00u;  // >= 65536 (and inf) -> inf
-  } else if (u < 0x38800000u) {
-    // Result subnormal or zero: adding 2^-1 puts the fp16 subnormal unit (2^-24) at the float's
-    // last mantissa bit, so the FPU's round-to-nearest-even does the rounding.
-    const float magic = 0.5f;
-    out = float_bits(bits_float(u) + magic) - float_bits(magic);
-  } else {
-    const uint32_t mant_odd = (u >> 13) & 1u;
-    u += (static_cast<uint32_t>(15 - 127) << 23) + 0xfffu + mant_odd;
-    out = u >> 13;  // a carry into the exponent rounds 65520.. up to inf, as it should
-  }
+  // Normal result: rebias, then round to nearest even at bit 13 (a carry into the exponent rounds
+  // 65520.. up to inf, as it should).
+  const uint32_t normal =
+      (u + (static_cast<uint32_t>(15 - 127) << 23) + 0xfffu + ((u >> 13) & 1u)) >> 13;
+  // Subnormal or zero result (u < 2^-14): adding 2^-1 puts the fp16 subnormal unit (2^-24) at the
+  // float's last mantissa bit, so the FPU's round-to-nearest-even does the rounding.
+  const float magic = 0.5f;
+  const uint32_t subnormal = float_bits(bits_float(u) + magic) - float_bits(magic);
+  uint32_t out = u < 0x38800000u ? subnormal : normal;
+  out = u >= 0x47800000u ? 0x7c00u : out;  // >= 65536 (and inf) -> inf
+  out = u > 0x7f800000u ? 0x7fffu : out;   // NaN -> canonical NaN
   return Half{static_cast<uint16_t>(out | sign)};
 }
 
 // ---- fp8 (OCP) -----------------------------------------------------------------------------
 // Saturating, round-to-nearest-even; NaN -> 0x7f; +-inf and anything beyond max -> +-max.
+// Selects instead of branches (host compilers vectorize them); the bits equal the if/else form for
+// all 2^32 inputs.
 MLAKV_HD Fp8E4M3 float_to_e4m3(float f) {
   uint32_t u = float_bits(f);
   const uint32_t sign = (u >> 24) & 0x80u;
   u &= 0x7fffffffu;
-  if (u > 0x7f800000u) return Fp8E4M3{0x7f};
-  uint32_t out;
-  if (u >= 0x43e00000u) {  // >= 448 (inf included)
-    out = 0x7eu;
-  } else if (u < 0x3c800000u) {  // < 2^-6: subnormal; 2^14's ulp is 2^-9, the e4m3 subnormal unit
-    const float magic = 16384.0f;
-    out = float_bits(bits_float(u) + magic) - float_bits(magic);
-  } else {
-    const uint32_t mant_odd = (u >> 20) & 1u;
-    u += (static_cast<uint32_t>(7 - 127) << 23) + 0x7ffffu + mant_odd;
-    out = u >> 20;
-    if (out > 0x7eu) out = 0x7eu;  // 464.. would round to 480: saturate
-  }
-  return Fp8E4M3{static_cast<uint8_t>(out | sign)};
+  // Normal result: rebias, round to nearest even at bit 20; 464.. would round to 480: saturate.
+  uint32_t normal =
+      (u + (static_cast<uint32_t>(7 - 127) << 23) + 0x7ffffu + ((u >> 20) & 1u)) >> 20;
+  normal = normal > 0x7eu ? 0x7eu : normal;
+  // Subnormal result (u < 2^-6): 2^14's ulp is 2^-9, the e4m3 subnormal unit.
+  const float magic = 16384.0f;
+  const uint32_t subnormal = float_bits(bits_float(u) + magic) - float_bits(magic);
+  uint32_t out = u < 0x3c800000u ? subnormal : normal;
+  out = u >= 0x43e00000u ? 0x7eu : out;  // >= 448 (inf included)
+  out |= sign;
+  out = u > 0x7f800000u ? 0x7fu : out;  // NaN
+  return Fp8E4M3{static_cast<uint8_t>(out)};
 }
 
 MLAKV_HD Fp8E5M2 float_to_e5m2(float f) {
   uint32_t u = float_bits(f);
   const uint32_t sign = (u >> 24) & 0x80u;
   u &= 0x7fffffffu;
-  if (u > 0x7f800000u) return Fp8E5M2{0x7f};
-  uint32_t out;
-  if (u >= 0x47600000u) {  // >= 57344 (inf included)
-    out = 0x7bu;
-  } else if (u < 0x38800000u) {  // < 2^-14: subnormal; 2^7's ulp is 2^-16, the e5m2 subnormal unit
-    const float magic = 128.0f;
-    out = float_bits(bits_float(u) + magic) - float_bits(magic);
-  } else {
-    const uint32_t mant_odd = (u >> 21) & 1u;
-    u += (static_cast<uint32_t>(15 - 127) << 23) + 0xfffffu + mant_odd;
-    out = u >> 21;
-    if (out > 0x7bu) out = 0x7bu;
-  }
-  return Fp8E5M2{static_cast<uint8_t>(out | sign)};
+  uint32_t normal =
+      (u + (static_cast<uint32_t>(15 - 127) << 23) + 0xfffffu + ((u >> 21) & 1u)) >> 21;
+  normal = normal > 0x7bu ? 0x7bu : normal;
+  // Subnormal result (u < 2^-14): 2^7's ulp is 2^-16, the e5m2 subnormal unit.
+  const float magic = 128.0f;
+  const uint32_t subnormal = float_bits(bits_float(u) + magic) - float_bits(magic);
+  uint32_t out = u < 0x38800000u ? subnormal : normal;
+  out = u >= 0x47600000u ? 0x7bu : out;  // >= 57344 (inf included)
+  out |= sign;
+  out = u > 0x7f800000u ? 0x7fu : out;  // NaN
+  return Fp8E5M2{static_cast<uint8_t>(out)};
 }
 
 MLAKV_HD float to_float(Fp8E4M3 v) {

@@ -1,0 +1,385 @@
+// mlakv CPU backend internals: threading, dtype dispatch, cache entry addressing, error tallies and
+// the row kernels (conversion, RoPE, quantization) that the ops in src/cpu/*.cpp share.
+//
+// Every row kernel works on one contiguous row and is written as plain loops over float temporaries
+// so that GCC vectorizes it; all rounding goes through src/common/numerics.h, so the results are
+// the bits the CUDA backend produces.
+#pragma once
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+#include "common/numerics.h"
+#include "core/args.h"
+#include "mlakv/cache.h"
+#include "mlakv/context.h"
+#include "mlakv/error.h"
+#include "mlakv/tensor.h"
+
+namespace mlakv {
+namespace cpu {
+namespace detail {
+
+// Widest rows the kernels keep on the stack (DESIGN.md: L <= 1024, R <= 256). rms_norm keeps no
+// row buffer, so its rows have no limit.
+constexpr int64_t kMaxLatent = 1024;
+constexpr int64_t kMaxRope = 256;
+// Below this much memory traffic a parallel region costs more than it saves.
+constexpr int64_t kSerialBytes = 32 * 1024;
+// Heads handled per work item on the Q side: cos/sin are loaded once per item.
+constexpr int64_t kHeadChunk = 32;
+
+inline int max_threads(const Context& ctx) {
+  return ctx.num_threads > 0 ? ctx.num_threads : omp_get_max_threads();
+}
+
+// Threads for a call that moves `bytes` of memory over `items` independent work items.
+inline int threads_for(const Context& ctx, int64_t bytes, int64_t items) {
+  if (bytes < kSerialBytes || items < 2) return 1;
+  return static_cast<int>(std::min<int64_t>(max_threads(ctx), items));
+}
+
+// Per-thread error counts, added to the shared counters once at the end of a parallel region.
+struct ErrorTally {
+  int32_t counts[kNumErrorCounters] = {};
+
+  void add(ErrorCounter counter) { ++counts[counter]; }
+  void flush(int32_t* error_counts) const {
+    if (error_counts == nullptr) return;
+    for (int i = 0; i < kNumErrorCounters; ++i) {
+      if (counts[i] != 0) {
+#pragma omp atomic
+        error_counts[i] += counts[i];
+      }
+    }
+  }
+};
+
+inline int64_t read_index(const core::IndexArg& index, int64_t i) {
+  if (index.is_int64) return static_cast<const int64_t*>(index.data)[i * index.stride];
+  return static_cast<const int32_t*>(index.data)[i * index.stride];
+}
+
+// ---- dtype dispatch -------------------------------------------------------------------------
+// f(T{}) with T the storage type of a model dtype: float, num::Bf16 or num::Half.
+template <typename F>
+void dispatch_model_dtype(DType dtype, const char* what, F&& f) {
+  switch (dtype) {
+    case DType::kFloat32:
+      f(float{});
+      return;
+    case DType::kBFloat16:
+      f(num::Bf16{});
+      return;
+    case DType::kFloat16:
+      f(num::Half{});
+      return;
+    default:
+      MLAKV_FAIL(what, ": expected a model dtype (float32, float16, bfloat16), got ",
+                 dtype_name(dtype));
+  }
+}
+
+// f(T{}) with T the storage type of a model dtype or an fp8 dtype (q_out).
+template <typename F>
+void dispatch_value_dtype(DType dtype, const char* what, F&& f) {
+  switch (dtype) {
+    case DType::kFloat8E4M3:
+      f(num::Fp8E4M3{});
+      return;
+    case DType::kFloat8E5M2:
+      f(num::Fp8E5M2{});
+      return;
+    default:
+      dispatch_model_dtype(dtype, what, std::forward<F>(f));
+  }
+}
+
+template <typename T>
+constexpr bool kIsFp8 = std::is_same_v<T, num::Fp8E4M3> || std::is_same_v<T, num::Fp8E5M2>;
+
+// Cache format tags: Raw<C> stores C values, PerTensorFp8<F> one-scale fp8, DsMla FlashMLA's entry.
+template <typename C>
+struct Raw {
+  using Latent = C;
+  using Rope = C;
+};
+template <typename F>
+struct PerTensorFp8 {
+  using Latent = F;
+  using Rope = F;
+};
+struct DsMla {
+  using Latent = num::Fp8E4M3;
+  using Rope = num::Bf16;
+};
+
+template <typename F>
+void dispatch_cache_format(CacheFormat format, F&& f) {
+  switch (format) {
+    case CacheFormat::kBFloat16:
+      f(Raw<num::Bf16>{});
+      return;
+    case CacheFormat::kFloat16:
+      f(Raw<num::Half>{});
+      return;
+    case CacheFormat::kFloat32:
+      f(Raw<float>{});
+      return;
+    case CacheFormat::kFloat8E4M3:
+      f(PerTensorFp8<num::Fp8E4M3>{});
+      return;
+    case CacheFormat::kFloat8E5M2:
+      f(PerTensorFp8<num::Fp8E5M2>{});
+      return;
+    case CacheFormat::kFloat8DsMla:
+      f(DsMla{});
+      return;
+  }
+  MLAKV_FAIL("kv_cache.format: unknown cache format ", static_cast<int>(format));
+}
+
+// ---- cache entry addressing -----------------------------------------------------------------
+struct EntryPtrs {
+  uint8_t* latent;
+  uint8_t* rope;
+};
+
+// Entry of (block, offset); the rope part follows `latent_bytes` of latent unless split.
+inline EntryPtrs cache_entry_at(const core::CacheArg& cache, int64_t block, int64_t offset,
+                                int64_t latent_bytes) {
+  uint8_t* latent =
+      cache.data + block * cache.stride_block_bytes + offset * cache.stride_token_bytes;
+  uint8_t* rope = cache.rope_data != nullptr
+                      ? cache.rope_data + block * cache.stride_rope_block_bytes +
+                            offset * cache.stride_rope_token_bytes
+                      : latent + latent_bytes;
+  return {latent, rope};
+}
+
+inline EntryPtrs cache_entry(const core::CacheArg& cache, int64_t slot, int64_t latent_bytes) {
+  return cache_entry_at(cache, slot / cache.block_size, slot % cache.block_size, latent_bytes);
+}
+
+// Byte offset of the rope part inside a combined entry.
+template <typename Fmt>
+constexpr int64_t rope_offset_bytes(int64_t L) {
+  if constexpr (std::is_same_v<Fmt, DsMla>) {
+    return kDsMlaLatentDim + kDsMlaNumTiles * static_cast<int64_t>(sizeof(float));
+  } else {
+    return L * static_cast<int64_t>(sizeof(typename Fmt::Latent));
+  }
+}
+
+inline float scale_or_one(const float* scale) { return scale != nullptr ? *scale : 1.0f; }
+
+// ---- row kernels ----------------------------------------------------------------------------
+// dst[i] = src[i] converted (round-to-nearest-even); a plain copy when the types agree. dst may be
+// src itself.
+template <typename Src, typename Dst>
+inline void convert_row(const Src* src, Dst* dst, int64_t n) {
+  if constexpr (std::is_same_v<Src, Dst>) {
+    if (static_cast<const void*>(src) != static_cast<const void*>(dst)) {
+      std::memmove(dst, src, static_cast<size_t>(n) * sizeof(Src));
+    }
+  } else {
+    for (int64_t i = 0; i < n; ++i) dst[i] = num::from_float<Dst>(num::to_float(src[i]));
+  }
+}
+
+// dst[i] = quantize(src[i], scale); src and dst do not overlap (different element sizes).
+template <typename F, typename Src>
+inline void quantize_row(const Src* __restrict src, F* __restrict dst, int64_t n, float scale) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = num::quantize<F>(num::to_float(src[i]), scale);
+}
+
+// Model-dtype row into a value of type V: a conversion, or an fp8 quantization by `scale`.
+template <typename V, typename T>
+inline void store_row(const T* src, V* dst, int64_t n, float scale) {
+  if constexpr (kIsFp8<V>) {
+    quantize_row<V>(src, dst, n, scale);
+  } else {
+    convert_row(src, dst, n);
+  }
+}
+
+// Position of token t clamped into [0, max_pos); counts when it had to clamp.
+inline int64_t clamped_position(const core::IndexArg& positions, const core::RopeTableArg& rope,
+                                int64_t t, ErrorTally* tally) {
+  const int64_t pos = read_index(positions, t);
+  if (pos >= 0 && pos < rope.max_pos) return pos;
+  if (tally != nullptr) tally->add(kBadPosition);
+  return pos < 0 ? 0 : rope.max_pos - 1;
+}
+
+// cos/sin of one position spread over the R elements of a row, so that RoPE becomes one
+// contiguous loop for both pair styles:
+//   out[j] = fma(v[j], cos_at[j], v[partner(j)] * sin_at[j])
+// with sin_at = -sin for the first element of a pair. -(y * s) == y * (-s) exactly (rounding is
+// sign-symmetric), so this is num::rope_rotate's x' = fma(x, c, -(y*s)), y' = fma(y, c, x*s).
+struct CosSin {
+  alignas(64) float cos_at[kMaxRope];
+  alignas(64) float sin_at[kMaxRope];
+  bool neox = false;
+};
+
+template <typename S>
+inline void expand_cos_sin(const S* row, int64_t R, bool neox, CosSin& cs) {
+  const int64_t half = R / 2;
+  cs.neox = neox;
+  if (neox) {
+    for (int64_t i = 0; i < half; ++i) {
+      const float c = num::to_float(row[i]);
+      const float s = num::to_float(row[half + i]);
+      cs.cos_at[i] = c;
+      cs.cos_at[half + i] = c;
+      cs.sin_at[i] = -s;
+      cs.sin_at[half + i] = s;
+    }
+  } else {
+    for (int64_t i = 0; i < half; ++i) {
+      const float c = num::to_float(row[i]);
+      const float s = num::to_float(row[half + i]);
+      cs.cos_at[2 * i] = c;
+      cs.cos_at[2 * i + 1] = c;
+      cs.sin_at[2 * i] = -s;
+      cs.sin_at[2 * i + 1] = s;
+    }
+  }
+}
+
+// The cos/sin table row of `pos` (already clamped), for rows of R elements.
+inline void load_cos_sin(const core::RopeTableArg& rope, int64_t pos, int64_t R, CosSin& cs) {
+  const bool neox = rope.style == RopeStyle::kNeox;
+  switch (rope.dtype) {
+    case DType::kBFloat16:
+      expand_cos_sin(static_cast<const num::Bf16*>(rope.data) + pos * rope.stride_pos, R, neox, cs);
+      return;
+    case DType::kFloat16:
+      expand_cos_sin(static_cast<const num::Half*>(rope.data) + pos * rope.stride_pos, R, neox, cs);
+      return;
+    default:
+      expand_cos_sin(static_cast<const float*>(rope.data) + pos * rope.stride_pos, R, neox, cs);
+      return;
+  }
+}
+
+// dst = RoPE(src) over R values (kR: R fixed at compile time, 0 = runtime), rounded to T. dst may
+// be src itself: the row goes through float temporaries first.
+template <typename T, int64_t kR>
+inline void rope_row_impl(const T* src, T* dst, const CosSin& cs, int64_t runtime_R) {
+  const int64_t R = kR > 0 ? kR : runtime_R;
+  const int64_t half = R / 2;
+  alignas(64) float v[kMaxRope];
+  alignas(64) float partner[kMaxRope];
+  for (int64_t j = 0; j < R; ++j) v[j] = num::to_float(src[j]);
+  if (cs.neox) {
+    for (int64_t i = 0; i < half; ++i) {
+      partner[i] = v[half + i];
+      partner[half + i] = v[i];
+    }
+  } else {
+    for (int64_t i = 0; i < half; ++i) {
+      partner[2 * i] = v[2 * i + 1];
+      partner[2 * i + 1] = v[2 * i];
+    }
+  }
+  for (int64_t j = 0; j < R; ++j) {
+    dst[j] =
+        num::from_float<T>(num::fma_rn(v[j], cs.cos_at[j], num::mul_rn(partner[j], cs.sin_at[j])));
+  }
+}
+
+// The common rope widths get fixed-length loops (fully unrolled vector code).
+template <typename T>
+inline void rope_row(const T* src, T* dst, const CosSin& cs, int64_t R) {
+  switch (R) {
+    case 64:
+      rope_row_impl<T, 64>(src, dst, cs, R);
+      return;
+    case 32:
+      rope_row_impl<T, 32>(src, dst, cs, R);
+      return;
+    case 128:
+      rope_row_impl<T, 128>(src, dst, cs, R);
+      return;
+    default:
+      rope_row_impl<T, 0>(src, dst, cs, R);
+      return;
+  }
+}
+
+// fp32 sum of squares in 16 interleaved partial sums (lane k takes elements i = k mod 16), then a
+// fixed pairwise combination: the order is fixed, so rms_norm and the fused op agree bitwise.
+template <typename T>
+inline float sum_squares(const T* x, int64_t n) {
+  constexpr int kLanes = 16;
+  alignas(64) float acc[kLanes] = {};
+  const int64_t full = n - n % kLanes;
+  for (int64_t i = 0; i < full; i += kLanes) {
+    for (int k = 0; k < kLanes; ++k) {
+      const float v = num::to_float(x[i + k]);
+      acc[k] = num::add_rn(acc[k], num::mul_rn(v, v));
+    }
+  }
+  for (int64_t i = full; i < n; ++i) {
+    const float v = num::to_float(x[i]);
+    acc[i - full] = num::add_rn(acc[i - full], num::mul_rn(v, v));
+  }
+  for (int width = kLanes / 2; width > 0; width /= 2) {
+    for (int k = 0; k < width; ++k) acc[k] = num::add_rn(acc[k], acc[k + width]);
+  }
+  return acc[0];
+}
+
+// out[i] = from_float<T>(rms_apply(x[i], inv_rms, w[i])); out may be x itself.
+template <typename T>
+inline void rms_apply_row(const T* x, const T* __restrict w, T* out, int64_t n, float inv_rms) {
+  for (int64_t i = 0; i < n; ++i) {
+    out[i] = num::from_float<T>(num::rms_apply(num::to_float(x[i]), inv_rms, num::to_float(w[i])));
+  }
+}
+
+// ---- cache entry writers --------------------------------------------------------------------
+// Writes one entry from model-dtype rows (latent [L], rope [R]).
+template <typename Fmt, typename T>
+inline void write_entry(const core::CacheArg& cache, const EntryPtrs& entry, const T* latent,
+                        const T* rope, int64_t L, int64_t R) {
+  if constexpr (std::is_same_v<Fmt, DsMla>) {
+    auto* bytes = reinterpret_cast<num::Fp8E4M3*>(entry.latent);
+    float scales[kDsMlaNumTiles];
+    for (int64_t tile = 0; tile < kDsMlaNumTiles; ++tile) {
+      const T* v = latent + tile * kDsMlaTileElems;
+      // 8 order-free running maxima, then combined: the amax does not depend on the order.
+      float lane_max[8] = {};
+      for (int64_t i = 0; i < kDsMlaTileElems; i += 8) {
+        for (int k = 0; k < 8; ++k)
+          lane_max[k] = num::amax_update(lane_max[k], num::to_float(v[i + k]));
+      }
+      float amax = 0.0f;
+      for (int k = 0; k < 8; ++k) amax = num::amax_update(amax, lane_max[k]);
+      const float scale = num::ds_mla_tile_scale(amax, cache.ds_mla_pow2_scale);
+      scales[tile] = scale;
+      quantize_row<num::Fp8E4M3>(v, bytes + tile * kDsMlaTileElems, kDsMlaTileElems, scale);
+    }
+    std::memcpy(entry.latent + kDsMlaLatentDim, scales, sizeof(scales));
+    convert_row(rope, reinterpret_cast<num::Bf16*>(entry.rope), R);
+  } else if constexpr (kIsFp8<typename Fmt::Latent>) {
+    using F = typename Fmt::Latent;
+    const float scale = scale_or_one(cache.scale);
+    quantize_row<F>(latent, reinterpret_cast<F*>(entry.latent), L, scale);
+    quantize_row<F>(rope, reinterpret_cast<F*>(entry.rope), R, scale);
+  } else {
+    using C = typename Fmt::Latent;
+    convert_row(latent, reinterpret_cast<C*>(entry.latent), L);
+    convert_row(rope, reinterpret_cast<C*>(entry.rope), R);
+  }
+}
+
+}  // namespace detail
+}  // namespace cpu
+}  // namespace mlakv
