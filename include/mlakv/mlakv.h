@@ -8,6 +8,7 @@
 #include "mlakv/error.h"
 #include "mlakv/memory.h"
 #include "mlakv/ops.h"
+#include "mlakv/rmsnorm_quant.h"
 #include "mlakv/tables.h"
 #include "mlakv/tensor.h"
 

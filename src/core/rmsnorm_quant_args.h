@@ -1,0 +1,78 @@
+// mlakv internal: the resolved arguments of rmsnorm_quant, mla_rmsnorm_quant and
+// per_token_group_quant_fp8, the backend entry points, and the group-scale rule both backends
+// share.
+//
+// All three public ops become one RmsNormQuantArgs of one or two row jobs ("tasks"): the dual form
+// is two tasks in one launch. src/core/rmsnorm_quant.cpp validates and fills it; backends never
+// re-validate. Strides are in elements of the tensor's own dtype; the innermost stride is 1 except
+// for the scales, whose two strides are both given.
+#pragma once
+
+#include <cfloat>
+#include <cstdint>
+
+#include "common/numerics.h"
+#include "mlakv/context.h"
+#include "mlakv/tensor.h"
+
+namespace mlakv {
+namespace core {
+
+// One row job: rows t < num_tokens of one [T, N] tensor.
+struct RmsNormQuantTask {
+  int64_t num_tokens = 0;  // T (0: nothing to do)
+  int64_t hidden = 0;      // N
+
+  const void* input = nullptr;  // [T, N], model dtype
+  int64_t stride_input_token = 0;
+  void* residual = nullptr;  // [T, N], model dtype, or nullptr; receives round(x + residual)
+  int64_t stride_residual_token = 0;
+  const void* weight = nullptr;  // [N], model dtype; nullptr: no normalization (y = x)
+  float eps = 1e-6f;
+  void* normed_out = nullptr;  // [T, N], model dtype, or nullptr; may equal input
+  int64_t stride_normed_out_token = 0;
+
+  uint8_t* quant_values = nullptr;  // [T, N], e4m3 bytes, or nullptr: no quantization
+  int64_t stride_quant_values_token = 0;
+  float* scales = nullptr;  // scale of (t, g) at t * stride_scales_token + g * stride_scales_group
+  int64_t stride_scales_token = 0;
+  int64_t stride_scales_group = 0;
+  int64_t group_size = 128;  // G, a power of two in [16, 256]
+  float scale_floor = 0.0f;
+  bool pow2_scale = false;
+};
+
+struct RmsNormQuantArgs {
+  DType model_dtype = DType::kBFloat16;
+  int32_t num_tasks = 0;  // 1, or 2 for the dual form (task 0: q_c, task 1: kv_c)
+  RmsNormQuantTask tasks[2];
+};
+
+// The scale of one group: max(amax / 448, floor), optionally rounded up to a power of two. amax is
+// never NaN (num::amax_update skips NaN); a NaN quotient would still fall back to the floor.
+MLAKV_HD float group_scale(float amax, float scale_floor, bool pow2) {
+  float scale = num::div_rn(amax, num::kE4M3Max);
+  if (!(scale >= scale_floor)) scale = scale_floor;
+  if (pow2) {
+    uint32_t u = num::float_bits(scale);
+    if ((u & 0x007fffffu) != 0u && (u & 0x7f800000u) != 0x7f800000u) {
+      u = (u & 0x7f800000u) + 0x00800000u;  // next power of two; an inf stays inf
+    }
+    scale = num::bits_float(u);
+  }
+  return scale;
+}
+
+}  // namespace core
+
+namespace cpu {
+void rmsnorm_quant(const core::RmsNormQuantArgs& args, const Context& ctx);
+}  // namespace cpu
+
+#ifdef MLAKV_WITH_CUDA
+namespace cuda {
+void rmsnorm_quant(const core::RmsNormQuantArgs& args, const Context& ctx, int device_index);
+}  // namespace cuda
+#endif
+
+}  // namespace mlakv

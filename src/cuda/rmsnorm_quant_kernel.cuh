@@ -1,0 +1,255 @@
+// mlakv CUDA backend: the RMSNorm + FP8 per-token-group quantization kernel.
+//
+// One block per token row; the grid covers the rows of task 0 (q_c, or the only task), then the
+// rows of task 1 (kv_c of the dual form), so both norms of an MLA layer run in one launch.
+//
+// Thread -> data mapping (chunk = 8 consecutive elements: 16 bytes of bf16/fp16, 32 of fp32, and
+// 8 bytes of e4m3 output), thread tid of a block of B threads holds chunks c = tid + i * B,
+// i < 4, in registers:
+//
+//   row  |c0 c1 ... c(B-1)|cB ... c(2B-1)|...          N = 1536 bf16, B = 64: 3 chunks a thread
+//         t0 t1 ... t(B-1) t0 ... t(B-1)
+//   group g of G values = chunks [g * G/8, (g+1) * G/8) = G/8 consecutive lanes of one warp
+//         (G = 128: 16 lanes, 256 bytes of bf16 in, 128 bytes of e4m3 out)
+//
+// Phases of a block:
+//   1. load the chunks (16-byte accesses); with a residual, s = round(x + residual) is stored back
+//      into the residual; with a weight, the squares s*s go to shared memory sq[N];
+//   2. warp 0: lane k < 16 sums sq[k], sq[k + 16], ... in order, then the 16 partial sums are
+//      combined pairwise: exactly the CPU backend's order, so CPU and CUDA agree bit for bit;
+//   3. y = round((s * inv) * w) per chunk (16-byte weight loads through the read-only path), the
+//      normalized row streamed out (normed_out), the group amax reduced over the group's lanes by
+//      xor shuffles, scale = group_scale(amax), e4m3(y / scale) streamed out 8 bytes a lane, and
+//      the group's first lane stores the scale at t * stride_scales_token + g * stride_scales_group
+//      (row- or column-major).
+// Stores use the streaming (evict-first) hint: the outputs are read by the next kernel, not this
+// one. normed_out may be the input itself: every element is read (phase 1) before it is written
+// (phase 3) by the same thread.
+//
+// Numerics: src/common/numerics.h for the arithmetic (mul_rn, add_rn, div_rn, rms_inv, rms_apply);
+// the roundings use the hardware conversions, which are round-to-nearest-even like num::from_float
+// (cvt.rn.bf16x2 / f16x2, and cvt.rn.satfinite.e4m3x2: saturating to +-448, NaN -> 0x7f after the
+// sign fix below), so the bytes equal num::quantize's.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <type_traits>
+
+#include "common/numerics.h"
+#include "core/rmsnorm_quant_args.h"
+#include "cuda/cuda_utils.h"
+#include "cuda/device_common.cuh"
+#include "cuda/rmsnorm_quant.h"
+#include "cuda/vec.cuh"
+
+namespace mlakv {
+namespace cuda {
+namespace rmsq {
+
+// ---- conversions -----------------------------------------------------------------------------
+template <typename T>
+__device__ __forceinline__ float to_f(T v) {
+  return num::to_float(v);
+}
+template <>
+__device__ __forceinline__ float to_f<num::Half>(num::Half v) {
+  return __half2float(__ushort_as_half(v.bits));  // exact
+}
+
+// Round two floats to the model dtype (round-to-nearest-even, as num::from_float).
+template <typename T>
+__device__ __forceinline__ void round2(float a, float b, T& ra, T& rb) {
+  if constexpr (std::is_same_v<T, num::Bf16>) {
+    const __nv_bfloat162 r = __floats2bfloat162_rn(a, b);
+    ra = num::Bf16{__bfloat16_as_ushort(r.x)};
+    rb = num::Bf16{__bfloat16_as_ushort(r.y)};
+  } else if constexpr (std::is_same_v<T, num::Half>) {
+    const __half2 r = __floats2half2_rn(a, b);
+    ra = num::Half{__half_as_ushort(r.x)};
+    rb = num::Half{__half_as_ushort(r.y)};
+  } else {
+    ra = a;
+    rb = b;
+  }
+}
+
+// Four values to e4m3 bytes (byte e = value e), saturating, round-to-nearest-even.
+__device__ __forceinline__ uint32_t e4m3x4(float v0, float v1, float v2, float v3) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  uint16_t lo, hi;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(lo) : "f"(v1), "f"(v0));
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(hi) : "f"(v3), "f"(v2));
+  uint32_t w = static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
+  // A NaN byte may carry the input's sign; num::float_to_e4m3 gives 0x7f for every NaN.
+  const uint32_t nan_bytes = __vcmpeq4(w | 0x80808080u, 0xffffffffu);
+  return w & ~(nan_bytes & 0x80808080u);
+#else
+  return static_cast<uint32_t>(num::float_to_e4m3(v0).bits) |
+         (static_cast<uint32_t>(num::float_to_e4m3(v1).bits) << 8) |
+         (static_cast<uint32_t>(num::float_to_e4m3(v2).bits) << 16) |
+         (static_cast<uint32_t>(num::float_to_e4m3(v3).bits) << 24);
+#endif
+}
+
+// ---- 16-byte accesses ------------------------------------------------------------------------
+// Weight chunks: read-only for the kernel's lifetime and shared by every block.
+template <typename T>
+__device__ __forceinline__ Chunk<T> load_chunk_ro(const T* src) {
+  cuda::detail::ChunkBits<T> u;
+  const auto* words = reinterpret_cast<const cuda::detail::ChunkWord<T>*>(src);
+#pragma unroll
+  for (int i = 0; i < cuda::detail::kChunkWords<T>; ++i) u.w[i] = __ldg(words + i);
+  return u.c;
+}
+
+// Streaming (evict-first) stores of a chunk.
+template <typename T>
+__device__ __forceinline__ void store_chunk_cs(T* dst, const Chunk<T>& c) {
+  cuda::detail::ChunkBits<T> u;
+  u.c = c;
+  auto* words = reinterpret_cast<cuda::detail::ChunkWord<T>*>(dst);
+#pragma unroll
+  for (int i = 0; i < cuda::detail::kChunkWords<T>; ++i) __stcs(words + i, u.w[i]);
+}
+
+// ---- the kernel ------------------------------------------------------------------------------
+template <typename T>
+__global__ void __launch_bounds__(kRmsqMaxThreads)
+    rmsnorm_quant_kernel(const __grid_constant__ RmsNormQuantKernelParams params) {
+  extern __shared__ float sq[];  // [N] squares of the row (normalizing tasks only)
+  __shared__ float s_inv;
+
+  const bool second = static_cast<int64_t>(blockIdx.x) >= params.num_rows_first;
+  const core::RmsNormQuantTask& task = params.tasks[second ? 1 : 0];
+  const int64_t t = static_cast<int64_t>(blockIdx.x) - (second ? params.num_rows_first : 0);
+  const int64_t N = task.hidden;
+  const int64_t num_chunks = N / kChunkElems;
+  const int tid = static_cast<int>(threadIdx.x);
+  const int threads = static_cast<int>(blockDim.x);
+  const int lane = tid % kWarpSize;
+  const int warp = tid / kWarpSize;
+  const bool normalize = task.weight != nullptr;
+
+  const T* x = static_cast<const T*>(task.input) + t * task.stride_input_token;
+  T* residual = task.residual != nullptr
+                    ? static_cast<T*>(task.residual) + t * task.stride_residual_token
+                    : nullptr;
+
+  // Phase 1: s (model dtype) in registers, squares to shared memory.
+  Chunk<T> s[kRmsqMaxChunksPerThread];
+#pragma unroll
+  for (int i = 0; i < kRmsqMaxChunksPerThread; ++i) {
+    const int64_t c = static_cast<int64_t>(i) * threads + tid;
+    if (c >= num_chunks) continue;
+    s[i] = load_chunk<true>(x + c * kChunkElems, kChunkElems);
+    if (residual != nullptr) {
+      const Chunk<T> r = load_chunk<true>(residual + c * kChunkElems, kChunkElems);
+#pragma unroll
+      for (int e = 0; e < kChunkElems; e += 2) {
+        round2<T>(num::add_rn(to_f(s[i].v[e]), to_f(r.v[e])),
+                  num::add_rn(to_f(s[i].v[e + 1]), to_f(r.v[e + 1])), s[i].v[e], s[i].v[e + 1]);
+      }
+      store_chunk<true>(residual + c * kChunkElems, s[i], kChunkElems);
+    }
+    if (normalize) {
+      float v2[kChunkElems];
+#pragma unroll
+      for (int e = 0; e < kChunkElems; ++e) {
+        const float v = to_f(s[i].v[e]);
+        v2[e] = num::mul_rn(v, v);
+      }
+      float4* dst = reinterpret_cast<float4*>(sq + c * kChunkElems);
+      dst[0] = make_float4(v2[0], v2[1], v2[2], v2[3]);
+      dst[1] = make_float4(v2[4], v2[5], v2[6], v2[7]);
+    }
+  }
+
+  // Phase 2: the CPU backend's sum order (16 interleaved partial sums, then pairwise).
+  float inv = 1.0f;
+  if (normalize) {
+    __syncthreads();
+    if (warp == 0) {
+      float acc = 0.0f;
+      if (lane < kSumLanes) {
+#pragma unroll 4
+        for (int64_t k = lane; k < N; k += kSumLanes) acc = num::add_rn(acc, sq[k]);
+      }
+      acc = combine_partial_sums(acc, lane);
+      if (lane == 0) s_inv = num::rms_inv(acc, N, task.eps);
+    }
+    __syncthreads();
+    inv = s_inv;
+  }
+
+  // Phase 3: normalize, store, quantize.
+  const T* w = static_cast<const T*>(task.weight);
+  T* normed = task.normed_out != nullptr
+                  ? static_cast<T*>(task.normed_out) + t * task.stride_normed_out_token
+                  : nullptr;
+  uint8_t* q = task.quant_values != nullptr ? task.quant_values + t * task.stride_quant_values_token
+                                            : nullptr;
+  const int lanes_per_group = static_cast<int>(task.group_size / kChunkElems);
+#pragma unroll
+  for (int i = 0; i < kRmsqMaxChunksPerThread; ++i) {
+    const int64_t c = static_cast<int64_t>(i) * threads + tid;
+    // Warp-uniform: the warp's first chunk exists. Groups never straddle the end of the row
+    // (N % G == 0), so lanes past it only feed zeros into shuffles of groups nobody stores.
+    if (static_cast<int64_t>(i) * threads + warp * kWarpSize >= num_chunks) continue;
+    const bool active = c < num_chunks;
+    Chunk<T> y = s[i];
+    float amax = 0.0f;
+    if (active) {
+      if (normalize) {
+        const Chunk<T> wc = load_chunk_ro(w + c * kChunkElems);
+#pragma unroll
+        for (int e = 0; e < kChunkElems; e += 2) {
+          round2<T>(num::rms_apply(to_f(s[i].v[e]), inv, to_f(wc.v[e])),
+                    num::rms_apply(to_f(s[i].v[e + 1]), inv, to_f(wc.v[e + 1])), y.v[e],
+                    y.v[e + 1]);
+        }
+      }
+      if (normed != nullptr) store_chunk_cs(normed + c * kChunkElems, y);
+#pragma unroll
+      for (int e = 0; e < kChunkElems; ++e) amax = num::amax_update(amax, to_f(y.v[e]));
+    }
+    if (q == nullptr) continue;
+    amax = group_max(amax, lanes_per_group);
+    if (!active) continue;
+    const float scale = core::group_scale(amax, task.scale_floor, task.pow2_scale);
+    float v[kChunkElems];
+#pragma unroll
+    for (int e = 0; e < kChunkElems; ++e) v[e] = num::div_rn(to_f(y.v[e]), scale);
+    uint2 bytes;
+    bytes.x = e4m3x4(v[0], v[1], v[2], v[3]);
+    bytes.y = e4m3x4(v[4], v[5], v[6], v[7]);
+    __stcs(reinterpret_cast<uint2*>(q + c * kChunkElems), bytes);
+    if (lane % lanes_per_group == 0) {
+      const int64_t g = c / lanes_per_group;
+      __stcs(task.scales + t * task.stride_scales_token + g * task.stride_scales_group, scale);
+    }
+  }
+}
+
+}  // namespace rmsq
+
+template <typename T>
+void launch_rmsnorm_quant_kernel(const RmsNormQuantKernelParams& params, int64_t num_blocks,
+                                 int threads, size_t smem_bytes, cudaStream_t stream) {
+  // Rows wider than 12288 elements need more than the default 48 KB of dynamic shared memory.
+  constexpr size_t kDefaultSmemBytes = 48 * 1024;
+  if (smem_bytes > kDefaultSmemBytes) {
+    MLAKV_CUDA_CHECK(cudaFuncSetAttribute(rmsq::rmsnorm_quant_kernel<T>,
+                                          cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                          static_cast<int>(smem_bytes)));
+  }
+  rmsq::rmsnorm_quant_kernel<T>
+      <<<static_cast<unsigned>(num_blocks), threads, smem_bytes, stream>>>(params);
+  MLAKV_CUDA_CHECK_LAUNCH("rmsnorm_quant_kernel");
+}
+
+}  // namespace cuda
+}  // namespace mlakv

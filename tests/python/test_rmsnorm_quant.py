@@ -1,0 +1,265 @@
+"""torch.ops.mlakv.rmsnorm_quant / mla_rmsnorm_quant / per_token_group_quant_fp8 against a
+pure-PyTorch reference written here.
+
+The reference sums the squares in the library's documented order (16 interleaved fp32 partial
+sums, then pairwise), so every byte must match on the CPU and on CUDA: e4m3 values, fp32 scales,
+normalized outputs and the residual write-back. Skipped when the extension is not importable.
+"""
+
+import pytest
+import torch
+
+mlakv = pytest.importorskip("mlakv")
+if not hasattr(torch.ops.mlakv, "rmsnorm_quant"):
+    pytest.skip("the mlakv extension has no rmsnorm_quant", allow_module_level=True)
+
+_ops = torch.ops.mlakv
+E4M3_MAX = 448.0
+DEFAULT_FLOOR = torch.tensor(1e-10, dtype=torch.float32) / E4M3_MAX  # vLLM: max(amax, 1e-10) / 448
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() and mlakv.cuda_kernels_available()
+                     else [])
+
+
+@pytest.fixture(params=DEVICES)
+def device(request):
+    return request.param
+
+
+# ---- reference ---------------------------------------------------------------------------------
+def ref_sum_squares(s: torch.Tensor) -> torch.Tensor:
+    """fp32 sum of squares of s [T, N] in the library's order."""
+    sq = s * s
+    T, N = sq.shape
+    pad = (-N) % 16
+    if pad:
+        sq = torch.cat([sq, sq.new_zeros(T, pad)], dim=1)  # + 0.0 leaves a partial sum unchanged
+    lanes = sq.view(T, -1, 16)
+    acc = torch.zeros(T, 16, dtype=torch.float32)
+    for j in range(lanes.shape[1]):
+        acc = acc + lanes[:, j, :]
+    for w in (8, 4, 2, 1):
+        acc = torch.cat([acc[:, :w] + acc[:, w:2 * w], acc[:, w:]], dim=1)
+    return acc[:, 0]
+
+
+def ref_rms_norm(x, weight, eps, residual=None):
+    """Returns (y rounded to the model dtype, residual sum or None), all on the CPU."""
+    x = x.cpu()
+    dt = x.dtype
+    s = x.float()
+    new_residual = None
+    if residual is not None:
+        new_residual = (s + residual.cpu().float()).to(dt)
+        s = new_residual.float()
+    mean = ref_sum_squares(s) / s.shape[1]
+    inv = 1.0 / torch.sqrt(mean + torch.tensor(eps, dtype=torch.float32))
+    y = ((s * inv[:, None]) * weight.cpu().float()).to(dt)
+    return y, new_residual
+
+
+def ref_group_quant(y, group_size, scale_floor=None, pow2=False):
+    """e4m3 values [T, N] and fp32 scales [T, N / G] of y (model dtype), on the CPU."""
+    T, N = y.shape
+    v = y.cpu().float().view(T, N // group_size, group_size)
+    amax = v.abs().amax(dim=-1)
+    scale = amax / E4M3_MAX
+    floor = DEFAULT_FLOOR if scale_floor is None else torch.tensor(scale_floor, dtype=torch.float32)
+    scale = torch.maximum(scale, floor)
+    if pow2:
+        m, e = torch.frexp(scale)
+        scale = torch.where(m == 0.5, scale, torch.ldexp(torch.ones_like(scale), e))
+    q = (v / scale[..., None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return q.view(T, N), scale
+
+
+# ---- helpers -----------------------------------------------------------------------------------
+def rand_rows(T, N, dtype, device, seed, pad_rows=2):
+    g = torch.Generator().manual_seed(seed)
+    e = torch.randint(-6, 7, (T + pad_rows, N), generator=g).float()
+    x = torch.randn(T + pad_rows, N, generator=g) * torch.exp2(e)
+    return x.to(dtype).to(device)
+
+
+def rand_weight(N, dtype, device, seed):
+    g = torch.Generator().manual_seed(seed)
+    return (0.05 + 2.4 * torch.rand(N, generator=g)).to(dtype).to(device)
+
+
+def scales_buffer(rows, groups, column_major, device, pad=0):
+    """Poisoned fp32 scales [rows, groups]: contiguous, or column-major with stride rows + pad."""
+    if column_major:
+        return torch.full((groups, rows + pad), -7.0, dtype=torch.float32, device=device).t()[:rows]
+    return torch.full((rows, groups), -7.0, dtype=torch.float32, device=device)
+
+
+def bytes_of(t):
+    return t.cpu().contiguous().view(torch.uint8)
+
+
+def assert_bytes_equal(actual, expected):
+    a, e = bytes_of(actual), bytes_of(expected)
+    if not torch.equal(a, e):
+        bad = (a != e).nonzero()
+        raise AssertionError(f"{bad.shape[0]} bytes differ, first at {bad[0].tolist()}")
+
+
+# ---- tests -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("N", [512, 1536, 7168])
+@pytest.mark.parametrize("T", [1, 7, 300])
+def test_rmsnorm_quant_matches_reference(dtype, N, T, device):
+    x = rand_rows(T, N, dtype, device, seed=N + T)
+    w = rand_weight(N, dtype, device, seed=N)
+    x_before = x.clone()
+    out = torch.full((T + 2, N), 3.0, device=device).to(torch.float8_e4m3fn)
+    scales = scales_buffer(T + 2, N // 128, False, device)
+    scales_before = scales.clone()
+    _ops.rmsnorm_quant(x, w, 1e-6, out, scales, num_tokens=T)
+
+    y, _ = ref_rms_norm(x[:T], w, 1e-6)
+    q, s = ref_group_quant(y, 128)
+    assert_bytes_equal(out[:T], q)
+    assert_bytes_equal(scales[:T], s)
+    assert_bytes_equal(out[T:], torch.full((2, N), 3.0).to(torch.float8_e4m3fn))  # padding rows
+    assert_bytes_equal(scales[T:], scales_before[T:])
+    assert_bytes_equal(x, x_before)
+
+
+@pytest.mark.parametrize("column_major", [False, True])
+@pytest.mark.parametrize("pow2", [False, True])
+def test_rmsnorm_quant_options(column_major, pow2, device):
+    """Residual add (written back), normalized output, column-major padded scales, pow2 scales."""
+    T, N, G = 13, 1536, 128
+    dtype = torch.bfloat16
+    x = rand_rows(T, N, dtype, device, seed=1)
+    residual = rand_rows(T, N, dtype, device, seed=2)
+    w = rand_weight(N, dtype, device, seed=3)
+    residual_in = residual.clone()
+    normed = torch.full((T + 2, N), -1.0, dtype=dtype, device=device)
+    out = torch.zeros(T + 2, N, dtype=torch.float8_e4m3fn, device=device)
+    scales = scales_buffer(T, N // G, column_major, device, pad=3)
+    _ops.rmsnorm_quant(x, w, 1e-5, out, scales, group_size=G, pow2_scale=pow2, residual=residual,
+                       normed_out=normed, num_tokens=T)
+
+    y, new_res = ref_rms_norm(x[:T], w, 1e-5, residual_in[:T])
+    q, s = ref_group_quant(y, G, pow2=pow2)
+    assert_bytes_equal(residual[:T], new_res)
+    assert_bytes_equal(residual[T:], residual_in[T:])
+    assert_bytes_equal(normed[:T], y)
+    assert_bytes_equal(out[:T], q)
+    assert_bytes_equal(scales, s)
+    if column_major:  # the padding columns of the [G', T + 3] buffer keep their poison
+        base = scales.t()
+        assert torch.all(base.as_strided((N // G, 3), (T + 3, 1), T) == -7.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_mla_rmsnorm_quant_dual(dtype, device):
+    """q_c [T, 1536] -> normalized + quantized, kv_c [T, 512] -> normalized in place, one launch;
+    q_c and kv_c are strided views of one [T, 2112] buffer as vLLM's fused_qkv_a_proj gives."""
+    T = 37
+    qkv = rand_rows(T, 1536 + 576, dtype, device, seed=5)
+    q_c, kv_c = qkv[:, :1536], qkv[:, 1536:1536 + 512]
+    qw = rand_weight(1536, dtype, device, seed=6)
+    kvw = rand_weight(512, dtype, device, seed=7)
+    kv_c_in = kv_c.clone()
+    q_out = torch.zeros(T + 2, 1536, dtype=torch.float8_e4m3fn, device=device)
+    q_scales = scales_buffer(T + 2, 12, True, device)
+    _ops.mla_rmsnorm_quant(q_c, qw, 1e-6, q_out, q_scales, kv_c, kvw, 1e-5, kv_c, num_tokens=T)
+
+    y, _ = ref_rms_norm(q_c[:T], qw, 1e-6)
+    q, s = ref_group_quant(y, 128)
+    kv_y, _ = ref_rms_norm(kv_c_in[:T], kvw, 1e-5)
+    assert_bytes_equal(q_out[:T], q)
+    assert_bytes_equal(q_scales[:T], s)
+    assert_bytes_equal(kv_c[:T], kv_y)
+    assert_bytes_equal(kv_c[T:], kv_c_in[T:])
+    # The kv part equals the library's rms_norm.
+    ref_kv = mlakv.rms_norm(kv_c_in[:T].contiguous(), kvw, 1e-5)
+    assert_bytes_equal(kv_c[:T], ref_kv)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_per_token_group_quant_fp8(dtype, device):
+    T, N = 21, 7168
+    x = rand_rows(T, N, dtype, device, seed=9, pad_rows=0)
+    x[3, 128:256] = 0.0  # an all-zero group: scale = floor, bytes 0
+    out = torch.empty(T, N, dtype=torch.float8_e4m3fn, device=device)
+    scales = scales_buffer(T, N // 128, False, device)
+    _ops.per_token_group_quant_fp8(x, out, scales)
+    q, s = ref_group_quant(x, 128)
+    assert_bytes_equal(out, q)
+    assert_bytes_equal(scales, s)
+
+
+def test_bad_arguments_raise_and_write_nothing(device):
+    T, N = 4, 1536
+    x = rand_rows(T, N, torch.bfloat16, device, seed=11)
+    w = rand_weight(N, torch.bfloat16, device, seed=12)
+    out = torch.zeros(T + 2, N, dtype=torch.float8_e4m3fn, device=device)
+    scales = scales_buffer(T + 2, 12, False, device)
+    with pytest.raises(RuntimeError, match="group_size"):
+        _ops.rmsnorm_quant(x, w, 1e-6, out, scales, group_size=100)
+    with pytest.raises(RuntimeError, match="scales"):
+        _ops.rmsnorm_quant(x, w, 1e-6, out, scales[:, :6], group_size=128)
+    with pytest.raises(RuntimeError, match="weight"):
+        _ops.rmsnorm_quant(x, w.half(), 1e-6, out, scales)
+    with pytest.raises(RuntimeError, match="quant.values"):
+        _ops.rmsnorm_quant(x, w, 1e-6, out.view(torch.uint8), scales)
+    assert torch.all(out.view(torch.uint8) == 0)
+    assert torch.all(scales == -7.0)
+
+
+def test_opcheck(device):
+    """Schemas, fake kernels and the dispatcher contract (torch.library.opcheck)."""
+    if not hasattr(torch.library, "opcheck"):
+        pytest.skip("torch.library.opcheck needs torch >= 2.4")
+    T, N = 5, 1536
+    x = rand_rows(T, N, torch.bfloat16, device, seed=13, pad_rows=0)
+    w = rand_weight(N, torch.bfloat16, device, seed=14)
+    out = torch.empty(T, N, dtype=torch.float8_e4m3fn, device=device)
+    scales = torch.empty(T, N // 128, dtype=torch.float32, device=device)
+    kv_c = rand_rows(T, 512, torch.bfloat16, device, seed=15, pad_rows=0)
+    kvw = rand_weight(512, torch.bfloat16, device, seed=16)
+    kv_out = torch.empty_like(kv_c)
+    torch.library.opcheck(_ops.rmsnorm_quant.default, (x, w, 1e-6, out, scales))
+    torch.library.opcheck(_ops.per_token_group_quant_fp8.default, (x, out, scales))
+    torch.library.opcheck(_ops.mla_rmsnorm_quant.default,
+                          (x, w, 1e-6, out, scales, kv_c, kvw, 1e-6, kv_out))
+
+
+def test_torch_compile_fullgraph(device):
+    T, N = 9, 1536
+    x = rand_rows(T, N, torch.bfloat16, device, seed=17, pad_rows=0)
+    w = rand_weight(N, torch.bfloat16, device, seed=18)
+
+    def f(x, w):
+        out = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
+        scales = torch.empty(x.shape[0], x.shape[1] // 128, dtype=torch.float32, device=x.device)
+        _ops.rmsnorm_quant(x, w, 1e-6, out, scales)
+        return out, scales
+
+    out, scales = torch.compile(f, fullgraph=True)(x, w)
+    q, s = ref_group_quant(ref_rms_norm(x, w, 1e-6)[0], 128)
+    assert_bytes_equal(out, q)
+    assert_bytes_equal(scales, s)
+
+
+@pytest.mark.skipif("cuda" not in DEVICES, reason="needs a GPU and the extension's CUDA kernels")
+def test_cuda_graph_capture():
+    T, N = 64, 1536
+    x = rand_rows(T, N, torch.bfloat16, "cuda", seed=19, pad_rows=0)
+    w = rand_weight(N, torch.bfloat16, "cuda", seed=20)
+    out = torch.empty(T, N, dtype=torch.float8_e4m3fn, device="cuda")
+    scales = scales_buffer(T, N // 128, True, "cuda", pad=(-T) % 4)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        _ops.rmsnorm_quant(x, w, 1e-6, out, scales)
+    x.copy_(rand_rows(T, N, torch.bfloat16, "cuda", seed=21, pad_rows=0))
+    graph.replay()
+    torch.cuda.synchronize()
+    q, s = ref_group_quant(ref_rms_norm(x, w, 1e-6)[0], 128)
+    assert_bytes_equal(out, q)
+    assert_bytes_equal(scales, s)

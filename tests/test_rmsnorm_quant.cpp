@@ -1,0 +1,911 @@
+// mlakv tests: rmsnorm_quant, mla_rmsnorm_quant and per_token_group_quant_fp8 against an
+// independent reference written here.
+//
+// The reference works in double and rounds to float after every step (exact: every fp32 op on two
+// floats is correctly rounded when computed in double and rounded once), and rounds to bf16 /
+// fp16 / e4m3 with its own round-to-nearest-even on doubles, not with src/common/numerics.h. It
+// sums the squares in the CPU backend's documented order (16 interleaved lanes, then a halving
+// tree), so results must match byte for byte on every backend (the CUDA kernel sums in that order
+// too): values, scales, normalized outputs, residual write-back, and every byte the op must not
+// touch (rows past T, gaps of strided rows, padding of column-major scales).
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "harness.h"
+#include "mlakv/mlakv.h"
+#include "mlakv/rmsnorm_quant.h"
+
+namespace mlakv {
+namespace test {
+namespace {
+
+// ---- independent reference ---------------------------------------------------------------------
+
+// A binary float format: mant_bits explicit mantissa bits, emin the exponent of the smallest
+// normal, max_finite, and what happens beyond it.
+struct Format {
+  int mant_bits;
+  int exp_bits;
+  int emin;
+  double max_finite;
+  bool saturate;  // true: clamp to max_finite (e4m3 "satfinite"); false: overflow to inf
+};
+const Format kBf16{7, 8, -126, 3.3895313892515355e38, false};
+const Format kFp16{10, 5, -14, 65504.0, false};
+const Format kE4M3{3, 4, -6, 448.0, true};
+
+// Round to nearest, ties to even, on doubles (exact: the scaled value fits in 53 bits).
+double round_format(double v, const Format& f) {
+  if (std::isnan(v) || v == 0.0) return v;
+  const double a = std::fabs(v);
+  int e2 = 0;
+  std::frexp(a, &e2);  // a = m * 2^e2, m in [0.5, 1): leading bit at 2^(e2 - 1)
+  const int lead = std::max(e2 - 1, f.emin);
+  const int quantum = lead - f.mant_bits;
+  const double n = std::nearbyint(std::ldexp(a, -quantum));
+  double r = std::ldexp(n, quantum);
+  if (r > f.max_finite) r = f.saturate ? f.max_finite : HUGE_VAL;
+  return std::copysign(r, v);
+}
+
+// Bits of a value exactly representable in f (sign, biased exponent, mantissa).
+uint32_t encode_format(double v, const Format& f) {
+  const uint32_t sign = std::signbit(v) ? 1u : 0u;
+  const int total = 1 + f.exp_bits + f.mant_bits;
+  const int bias = 1 - f.emin;
+  const double a = std::fabs(v);
+  uint32_t exp_field = 0, mant = 0;
+  if (std::isinf(a)) {
+    exp_field = (1u << f.exp_bits) - 1;
+  } else if (a != 0.0) {
+    int e2 = 0;
+    std::frexp(a, &e2);
+    const int lead = e2 - 1;
+    if (lead < f.emin) {  // subnormal
+      mant = static_cast<uint32_t>(std::ldexp(a, f.mant_bits - f.emin));
+    } else {
+      exp_field = static_cast<uint32_t>(lead + bias);
+      mant = static_cast<uint32_t>(std::ldexp(a, f.mant_bits - lead)) - (1u << f.mant_bits);
+    }
+  }
+  return (sign << (total - 1)) | (exp_field << f.mant_bits) | mant;
+}
+
+double decode_format(uint32_t bits, const Format& f) {
+  const int total = 1 + f.exp_bits + f.mant_bits;
+  const bool neg = (bits >> (total - 1)) & 1u;
+  const uint32_t exp_field = (bits >> f.mant_bits) & ((1u << f.exp_bits) - 1);
+  const uint32_t mant = bits & ((1u << f.mant_bits) - 1);
+  const int bias = 1 - f.emin;
+  double a;
+  if (exp_field == 0) {
+    a = std::ldexp(static_cast<double>(mant), f.emin - f.mant_bits);
+  } else {
+    a = std::ldexp(static_cast<double>(mant + (1u << f.mant_bits)),
+                   static_cast<int>(exp_field) - bias - f.mant_bits);
+  }
+  return neg ? -a : a;
+}
+
+// fp32 rounding of a double (the C++ conversion rounds to nearest even).
+double f32(double v) { return static_cast<double>(static_cast<float>(v)); }
+
+// Model-dtype element access on host mirrors.
+double read_model(const uint8_t* p, DType dt) {
+  if (dt == DType::kFloat32) {
+    float v;
+    std::memcpy(&v, p, 4);
+    return v;
+  }
+  uint16_t b;
+  std::memcpy(&b, p, 2);
+  return decode_format(b, dt == DType::kBFloat16 ? kBf16 : kFp16);
+}
+double round_model(double v, DType dt) {
+  if (dt == DType::kFloat32) return f32(v);
+  return round_format(f32(v), dt == DType::kBFloat16 ? kBf16 : kFp16);
+}
+void write_model(uint8_t* p, DType dt, double v) {
+  if (dt == DType::kFloat32) {
+    const float f = static_cast<float>(v);
+    std::memcpy(p, &f, 4);
+    return;
+  }
+  const uint16_t b =
+      static_cast<uint16_t>(encode_format(v, dt == DType::kBFloat16 ? kBf16 : kFp16));
+  std::memcpy(p, &b, 2);
+}
+
+uint8_t* host_at(const Tensor& t, int64_t i, int64_t j) {
+  return t.buffer->host.data() + t.byte_offset({i, j});
+}
+
+struct RefJob {
+  int64_t num_tokens = 0;
+  Tensor input, weight, residual, normed_out, values, scales;  // absent = not used
+  double eps = 1e-6;
+  int64_t group_size = 128;
+  double scale_floor = kDefaultScaleFloor;
+  bool pow2 = false;
+};
+
+double ref_group_scale(double amax, double floor, bool pow2) {
+  double s = f32(amax / 448.0);
+  if (!(s >= floor)) s = floor;
+  if (pow2) {
+    int e2 = 0;
+    const double m = std::frexp(s, &e2);
+    if (m != 0.5) s = std::ldexp(1.0, e2);  // the next power of two above a non-power
+  }
+  return s;
+}
+
+// Runs the reference on the host mirrors of the job's tensors.
+void reference(const RefJob& job) {
+  const DType dt = job.input.dtype;
+  const int64_t N = job.input.shape[1];
+  const int64_t G = job.group_size;
+  std::vector<double> s(N), y(N);
+  for (int64_t t = 0; t < job.num_tokens; ++t) {
+    for (int64_t j = 0; j < N; ++j) {
+      s[j] = read_model(host_at(job.input, t, j), dt);
+      if (job.residual.present()) {
+        s[j] = round_model(s[j] + read_model(host_at(job.residual, t, j), dt), dt);
+        write_model(host_at(job.residual, t, j), dt, s[j]);
+      }
+    }
+    if (job.weight.present()) {
+      // 16 interleaved fp32 partial sums, then acc[k] += acc[k + w] for w = 8, 4, 2, 1.
+      double acc[16] = {};
+      for (int64_t j = 0; j < N; ++j) acc[j % 16] = f32(acc[j % 16] + f32(s[j] * s[j]));
+      for (int w = 8; w > 0; w /= 2) {
+        for (int k = 0; k < w; ++k) acc[k] = f32(acc[k] + acc[k + w]);
+      }
+      const double mean = f32(acc[0] / static_cast<double>(N));
+      const double inv = f32(1.0 / f32(std::sqrt(f32(mean + f32(job.eps)))));
+      for (int64_t j = 0; j < N; ++j) {
+        const double w =
+            read_model(job.weight.buffer->host.data() + job.weight.byte_offset({j}), dt);
+        y[j] = round_model(f32(f32(s[j] * inv) * w), dt);
+      }
+    } else {
+      y = s;
+    }
+    if (job.normed_out.present()) {
+      for (int64_t j = 0; j < N; ++j) write_model(host_at(job.normed_out, t, j), dt, y[j]);
+    }
+    if (!job.values.present()) continue;
+    for (int64_t g = 0; g < N / G; ++g) {
+      double amax = 0.0;
+      for (int64_t j = g * G; j < (g + 1) * G; ++j) amax = std::max(amax, std::fabs(y[j]));
+      const double scale = ref_group_scale(amax, f32(job.scale_floor), job.pow2);
+      const float scale_f = static_cast<float>(scale);
+      std::memcpy(host_at(job.scales, t, g), &scale_f, 4);
+      for (int64_t j = g * G; j < (g + 1) * G; ++j) {
+        const double q = round_format(f32(y[j] / scale), kE4M3);
+        *host_at(job.values, t, j) = static_cast<uint8_t>(encode_format(q, kE4M3));
+      }
+    }
+  }
+}
+
+// ---- test data ---------------------------------------------------------------------------------
+
+// Random model-dtype values over the whole buffer: magnitudes spread over 2^-6 .. 2^6 and a few
+// outliers, never zero, so group scales and the fp8 range are exercised.
+void fill_activations(const Tensor& t, std::mt19937_64& rng, double row_spread = 1.0) {
+  std::uniform_real_distribution<double> u(-1.0, 1.0);
+  std::uniform_int_distribution<int> e(-6, 6);
+  std::uniform_int_distribution<int> outlier(0, 199);
+  const size_t es = dtype_size(t.dtype);
+  auto& h = t.buffer->host;
+  for (size_t i = 0; i + es <= h.size(); i += es) {
+    double v = 0.0;
+    while (round_model(v, t.dtype) == 0.0) {
+      v = u(rng) * std::ldexp(1.0, e(rng)) * row_spread;
+      if (outlier(rng) == 0) v *= 64.0;
+    }
+    write_model(h.data() + i, t.dtype, round_model(v, t.dtype));
+  }
+}
+
+void fill_weight(const Tensor& t, std::mt19937_64& rng) {
+  std::uniform_real_distribution<double> u(0.05, 2.5);
+  const size_t es = dtype_size(t.dtype);
+  auto& h = t.buffer->host;
+  for (size_t i = 0; i + es <= h.size(); i += es) {
+    write_model(h.data() + i, t.dtype, round_model(u(rng), t.dtype));
+  }
+}
+
+// A [rows, N] tensor of `dt` with `pad` extra elements per row and `offset` elements in front,
+// poisoned (outputs) or random (inputs) everywhere.
+Tensor rows_tensor(Device device, DType dt, int64_t rows, int64_t N, int64_t pad,
+                   int64_t offset = 0) {
+  const int64_t stride = N + pad;
+  return new_strided_tensor(device, dt, offset + rows * stride, {rows, N}, {stride, 1}, offset);
+}
+
+enum class ScaleLayout { kRowMajor, kColumnMajor };
+
+// Scales [rows, groups]: row-major with `pad` extra per row, or column-major with stride rows +
+// pad.
+Tensor scales_tensor(Device device, int64_t rows, int64_t groups, ScaleLayout layout, int64_t pad) {
+  if (layout == ScaleLayout::kRowMajor) {
+    return new_strided_tensor(device, DType::kFloat32, rows * (groups + pad), {rows, groups},
+                              {groups + pad, 1});
+  }
+  return new_strided_tensor(device, DType::kFloat32, groups * (rows + pad), {rows, groups},
+                            {1, rows + pad});
+}
+
+// ---- one case ----------------------------------------------------------------------------------
+
+struct Case {
+  std::string name;
+  DType dtype = DType::kBFloat16;
+  int64_t N = 1536;
+  int64_t T = 64;
+  int64_t extra_rows = 2;  // rows past T (graph padding): never touched
+  bool residual = false;
+  enum NormedOut { kNone, kSeparate, kInPlace } normed = kNone;
+  ScaleLayout layout = ScaleLayout::kRowMajor;
+  int64_t scale_pad = 0;
+  bool pow2 = false;
+  int64_t group_size = 128;
+  int64_t row_pad = 0;  // extra elements per row of every per-token tensor (strided views)
+  float scale_floor = kDefaultScaleFloor;
+  float eps = 1e-6f;
+};
+
+std::string case_label(const Case& c) {
+  std::string s = c.name + " " + dtype_name(c.dtype) + " N=" + std::to_string(c.N) +
+                  " T=" + std::to_string(c.T) + " G=" + std::to_string(c.group_size);
+  if (c.residual) s += " residual";
+  if (c.normed == Case::kSeparate) s += " normed_out";
+  if (c.normed == Case::kInPlace) s += " normed_out=input";
+  s += c.layout == ScaleLayout::kRowMajor ? " row-major" : " column-major";
+  if (c.scale_pad) s += "+" + std::to_string(c.scale_pad);
+  if (c.pow2) s += " pow2";
+  if (c.row_pad) s += " row_pad=" + std::to_string(c.row_pad);
+  return s;
+}
+
+struct Job {
+  Tensor input, weight, residual, normed_out, values, scales;
+};
+
+Job make_job(Device device, const Case& c, std::mt19937_64& rng, bool with_weight,
+             bool with_quant) {
+  const int64_t rows = c.T + c.extra_rows;
+  Job j;
+  j.input = rows_tensor(device, c.dtype, rows, c.N, c.row_pad, c.row_pad ? 8 : 0);
+  fill_activations(j.input, rng);
+  if (with_weight) {
+    j.weight = new_tensor(device, c.dtype, {c.N});
+    fill_weight(j.weight, rng);
+  }
+  if (c.residual) {
+    j.residual = rows_tensor(device, c.dtype, rows, c.N, c.row_pad);
+    fill_activations(j.residual, rng);
+  }
+  if (c.normed == Case::kSeparate) {
+    j.normed_out = rows_tensor(device, c.dtype, rows, c.N, c.row_pad);
+    fill_bytes(*j.normed_out.buffer, kPoisonByte);
+  } else if (c.normed == Case::kInPlace) {
+    j.normed_out = j.input;
+  }
+  if (with_quant) {
+    j.values = rows_tensor(device, DType::kFloat8E4M3, rows, c.N, c.row_pad ? 32 : 0);
+    fill_bytes(*j.values.buffer, kPoisonByte);
+    j.scales = scales_tensor(device, rows, c.N / c.group_size, c.layout, c.scale_pad);
+    fill_bytes(*j.scales.buffer, kPoisonByte);
+  }
+  return j;
+}
+
+void upload(const Job& j) {
+  for (const Tensor* t : {&j.input, &j.weight, &j.residual, &j.normed_out, &j.values, &j.scales}) {
+    if (t->present()) t->buffer->upload();
+  }
+}
+
+Fp8GroupQuantOutput quant_view(const Job& j, const Case& c) {
+  Fp8GroupQuantOutput q;
+  q.values = j.values.device_view();
+  q.scales = j.scales.device_view();
+  q.group_size = c.group_size;
+  q.scale_floor = c.scale_floor;
+  q.pow2_scale = c.pow2;
+  return q;
+}
+
+RefJob ref_job(const Job& j, const Case& c) {
+  RefJob r;
+  r.num_tokens = c.T;
+  r.input = j.input;
+  r.weight = j.weight;
+  r.residual = j.residual;
+  r.normed_out = j.normed_out;
+  r.values = j.values;
+  r.scales = j.scales;
+  r.eps = c.eps;
+  r.group_size = c.group_size;
+  r.scale_floor = c.scale_floor;
+  r.pow2 = c.pow2;
+  return r;
+}
+
+void expect_job_matches(const Job& j, const Case& c, const std::string& label) {
+  EXPECT_TRUE(buffer_matches(*j.input.buffer, label + " input"));
+  if (j.weight.present()) {
+    EXPECT_TRUE(buffer_unchanged(*j.weight.buffer, label + " weight"));
+  }
+  if (j.residual.present()) {
+    EXPECT_TRUE(buffer_matches(*j.residual.buffer, label + " residual"));
+  }
+  if (c.normed == Case::kSeparate) {
+    EXPECT_TRUE(buffer_matches(*j.normed_out.buffer, label + " normed_out"));
+  }
+  if (j.values.present()) {
+    EXPECT_TRUE(buffer_matches(*j.values.buffer, label + " values"));
+    EXPECT_TRUE(buffer_matches(*j.scales.buffer, label + " scales"));
+  }
+}
+
+class RmsNormQuantTest : public testing::TestWithParam<Backend> {
+ protected:
+  Device device() const { return GetParam().device; }
+
+  void run_rmsnorm_quant(const Case& c, uint64_t seed) {
+    const std::string label = case_label(c);
+    SCOPED_TRACE(label);
+    std::mt19937_64 rng(seed);
+    Job j = make_job(device(), c, rng, true, true);
+    upload(j);
+    reference(ref_job(j, c));
+    RmsNormQuantParams p;
+    p.num_tokens = c.T;
+    p.input = j.input.device_view();
+    p.weight = j.weight.device_view();
+    p.eps = c.eps;
+    p.residual = j.residual.device_view();
+    p.normed_out = j.normed_out.device_view();
+    p.quant = quant_view(j, c);
+    rmsnorm_quant(p);
+    expect_job_matches(j, c, label);
+  }
+};
+
+// ---- value tests -------------------------------------------------------------------------------
+
+TEST_P(RmsNormQuantTest, ShapesAndTokenCounts) {
+  uint64_t seed = 100;
+  for (DType dt : {DType::kBFloat16, DType::kFloat16}) {
+    for (int64_t N : {512, 1536, 7168}) {
+      for (int64_t T : {1, 3, 64, 1000, 4096}) {
+        // The largest products add time, not coverage.
+        if (N == 7168 && T == 4096) continue;
+        if (dt == DType::kFloat16 && T >= 1000) continue;
+        Case c;
+        c.name = "shapes";
+        c.dtype = dt;
+        c.N = N;
+        c.T = T;
+        run_rmsnorm_quant(c, ++seed);
+      }
+    }
+  }
+}
+
+TEST_P(RmsNormQuantTest, OptionsCombined) {
+  uint64_t seed = 200;
+  for (DType dt : {DType::kBFloat16, DType::kFloat16}) {
+    for (bool residual : {false, true}) {
+      for (auto normed : {Case::kNone, Case::kSeparate, Case::kInPlace}) {
+        for (ScaleLayout layout : {ScaleLayout::kRowMajor, ScaleLayout::kColumnMajor}) {
+          Case c;
+          c.name = "options";
+          c.dtype = dt;
+          c.N = 1536;
+          c.T = 67;
+          c.residual = residual;
+          c.normed = normed;
+          c.layout = layout;
+          c.scale_pad =
+              layout == ScaleLayout::kColumnMajor ? 1 : 3;  // 67 + 1 = 68: a multiple of 4
+          c.pow2 = residual;
+          c.row_pad = normed == Case::kSeparate ? 64 : 0;
+          run_rmsnorm_quant(c, ++seed);
+        }
+      }
+    }
+  }
+}
+
+TEST_P(RmsNormQuantTest, GroupSizesPow2AndFloat32) {
+  uint64_t seed = 300;
+  for (int64_t G : {16, 32, 64, 128, 256}) {
+    Case c;
+    c.name = "group";
+    c.N = 512;
+    c.T = 33;
+    c.group_size = G;
+    c.pow2 = G == 64;
+    c.layout = G % 32 == 0 ? ScaleLayout::kColumnMajor : ScaleLayout::kRowMajor;
+    c.normed = Case::kSeparate;
+    run_rmsnorm_quant(c, ++seed);
+  }
+  for (int64_t G : {16, 128}) {
+    Case c;
+    c.name = "float32";
+    c.dtype = DType::kFloat32;
+    c.N = 1536;
+    c.T = 19;
+    c.group_size = G;
+    c.residual = true;
+    c.normed = Case::kSeparate;
+    run_rmsnorm_quant(c, ++seed);
+  }
+  Case odd;  // a hidden size that is not a multiple of 16 lanes / 128: N = 3 * 16 * 7
+  odd.name = "odd";
+  odd.N = 336;
+  odd.T = 5;
+  odd.group_size = 16;
+  run_rmsnorm_quant(odd, ++seed);
+}
+
+TEST_P(RmsNormQuantTest, TinyValuesHitTheScaleFloor) {
+  Case c;
+  c.name = "floor";
+  c.N = 512;
+  c.T = 8;
+  c.scale_floor = 0.5f;  // every group's amax / 448 is below it
+  c.normed = Case::kSeparate;
+  run_rmsnorm_quant(c, 400);
+  c.scale_floor = 1.5f;  // not a power of two: pow2 rounds it up to 2
+  c.pow2 = true;
+  run_rmsnorm_quant(c, 401);
+}
+
+TEST_P(RmsNormQuantTest, ZeroTokensWritesNothing) {
+  Case c;
+  c.name = "empty";
+  c.T = 0;
+  c.residual = true;
+  c.normed = Case::kSeparate;
+  run_rmsnorm_quant(c, 500);
+}
+
+// The unfused second step, including an all-zero group (scale = floor, bytes 0).
+TEST_P(RmsNormQuantTest, PerTokenGroupQuant) {
+  uint64_t seed = 600;
+  for (DType dt : {DType::kBFloat16, DType::kFloat16, DType::kFloat32}) {
+    for (ScaleLayout layout : {ScaleLayout::kRowMajor, ScaleLayout::kColumnMajor}) {
+      Case c;
+      c.name = "quant";
+      c.dtype = dt;
+      c.N = 7168;
+      c.T = 37;
+      c.layout = layout;
+      c.scale_pad = 3;
+      c.pow2 = layout == ScaleLayout::kColumnMajor;
+      c.row_pad = dt == DType::kFloat16 ? 16 : 0;
+      SCOPED_TRACE(case_label(c));
+      std::mt19937_64 rng(++seed);
+      Job j = make_job(device(), c, rng, false, true);
+      for (int64_t k = 0; k < c.group_size; ++k) write_model(host_at(j.input, 2, 256 + k), dt, 0.0);
+      upload(j);
+      reference(ref_job(j, c));
+      PerTokenGroupQuantParams p;
+      p.num_tokens = c.T;
+      p.input = j.input.device_view();
+      p.quant = quant_view(j, c);
+      per_token_group_quant_fp8(p);
+      expect_job_matches(j, c, case_label(c));
+    }
+  }
+}
+
+// Per-token-group quant of rms_norm's output equals the fused op (DESIGN.md: the unfused path
+// writes identical bytes on one backend).
+TEST_P(RmsNormQuantTest, FusedEqualsUnfused) {
+  Case c;
+  c.name = "fused-vs-unfused";
+  c.N = 1536;
+  c.T = 50;
+  c.normed = Case::kSeparate;
+  std::mt19937_64 rng(700);
+  Job j = make_job(device(), c, rng, true, true);
+  upload(j);
+  RmsNormQuantParams p;
+  p.num_tokens = c.T;
+  p.input = j.input.device_view();
+  p.weight = j.weight.device_view();
+  p.normed_out = j.normed_out.device_view();
+  p.quant = quant_view(j, c);
+  rmsnorm_quant(p);
+
+  Tensor normed = rows_tensor(device(), c.dtype, c.T, c.N, 0);
+  Tensor values = rows_tensor(device(), DType::kFloat8E4M3, c.T, c.N, 0);
+  Tensor scales = scales_tensor(device(), c.T, c.N / 128, ScaleLayout::kRowMajor, 0);
+  for (const Tensor* t : {&normed, &values, &scales}) t->buffer->upload();
+  RmsNormParams rn;
+  rn.num_tokens = c.T;
+  rn.input = j.input.device_view();
+  rn.weight = j.weight.device_view();
+  rn.eps = c.eps;
+  rn.output = normed.device_view();
+  rms_norm(rn);
+  PerTokenGroupQuantParams q;
+  q.num_tokens = c.T;
+  q.input = normed.device_view();
+  q.quant.values = values.device_view();
+  q.quant.scales = scales.device_view();
+  per_token_group_quant_fp8(q);
+
+  const auto fused_normed = j.normed_out.buffer->download();
+  const auto fused_values = j.values.buffer->download();
+  const auto fused_scales = j.scales.buffer->download();
+  const int64_t row_bytes = c.N * 2;
+  std::vector<uint8_t> a(fused_normed.begin(), fused_normed.begin() + c.T * row_bytes);
+  EXPECT_TRUE(bytes_equal(normed.buffer->download(), a, "rms_norm vs rmsnorm_quant normed_out"));
+  std::vector<uint8_t> b(fused_values.begin(), fused_values.begin() + c.T * c.N);
+  EXPECT_TRUE(bytes_equal(values.buffer->download(), b, "unfused vs fused values"));
+  std::vector<uint8_t> s(fused_scales.begin(), fused_scales.begin() + c.T * (c.N / 128) * 4);
+  EXPECT_TRUE(bytes_equal(scales.buffer->download(), s, "unfused vs fused scales"));
+}
+
+// ---- the dual form -----------------------------------------------------------------------------
+
+TEST_P(RmsNormQuantTest, DualForm) {
+  uint64_t seed = 800;
+  for (DType dt : {DType::kBFloat16, DType::kFloat16}) {
+    for (int64_t T : {1, 64, 1000}) {
+      for (bool in_place : {false, true}) {
+        Case qc;
+        qc.name = "dual q_c";
+        qc.dtype = dt;
+        qc.N = 1536;
+        qc.T = T;
+        qc.layout = in_place ? ScaleLayout::kColumnMajor : ScaleLayout::kRowMajor;
+        qc.scale_pad = in_place ? (4 - T % 4) % 4 : 0;
+        qc.normed = in_place ? Case::kSeparate : Case::kNone;
+        Case kc;
+        kc.name = "dual kv_c";
+        kc.dtype = dt;
+        kc.N = 512;
+        kc.T = T;
+        kc.eps = 1e-5f;
+        kc.normed = in_place ? Case::kInPlace : Case::kSeparate;
+        kc.row_pad = in_place ? 0 : 64;  // kv_c as a strided view
+        const std::string label = case_label(qc) + " / " + case_label(kc);
+        SCOPED_TRACE(label);
+        std::mt19937_64 rng(++seed);
+        Job q = make_job(device(), qc, rng, true, true);
+        Job kv = make_job(device(), kc, rng, true, false);
+        upload(q);
+        upload(kv);
+        reference(ref_job(q, qc));
+        reference(ref_job(kv, kc));
+
+        MlaRmsNormQuantParams p;
+        p.q.num_tokens = T;
+        p.q.input = q.input.device_view();
+        p.q.weight = q.weight.device_view();
+        p.q.eps = qc.eps;
+        p.q.normed_out = q.normed_out.device_view();
+        p.q.quant = quant_view(q, qc);
+        p.kv.num_tokens = T;
+        p.kv.input = kv.input.device_view();
+        p.kv.weight = kv.weight.device_view();
+        p.kv.eps = kc.eps;
+        p.kv.output = kv.normed_out.device_view();
+        mla_rmsnorm_quant(p);
+        expect_job_matches(q, qc, label + " q");
+        expect_job_matches(kv, kc, label + " kv");
+      }
+    }
+  }
+}
+
+// The dual form's kv_c part is the library's rms_norm, bit for bit, on one backend.
+TEST_P(RmsNormQuantTest, DualKvEqualsRmsNorm) {
+  Case qc;
+  qc.N = 1536;
+  qc.T = 40;
+  Case kc;
+  kc.N = 512;
+  kc.T = 40;
+  kc.normed = Case::kSeparate;
+  std::mt19937_64 rng(900);
+  Job q = make_job(device(), qc, rng, true, true);
+  Job kv = make_job(device(), kc, rng, true, false);
+  upload(q);
+  upload(kv);
+  MlaRmsNormQuantParams p;
+  p.q.num_tokens = qc.T;
+  p.q.input = q.input.device_view();
+  p.q.weight = q.weight.device_view();
+  p.q.quant = quant_view(q, qc);
+  p.kv.num_tokens = kc.T;
+  p.kv.input = kv.input.device_view();
+  p.kv.weight = kv.weight.device_view();
+  p.kv.output = kv.normed_out.device_view();
+  mla_rmsnorm_quant(p);
+
+  Tensor out = rows_tensor(device(), kc.dtype, kc.T + kc.extra_rows, kc.N, 0);
+  fill_bytes(*out.buffer, kPoisonByte);
+  out.buffer->upload();
+  RmsNormParams rn;
+  rn.num_tokens = kc.T;
+  rn.input = kv.input.device_view();
+  rn.weight = kv.weight.device_view();
+  rn.eps = kc.eps;
+  rn.output = out.device_view();
+  rms_norm(rn);
+  EXPECT_TRUE(bytes_equal(out.buffer->download(), kv.normed_out.buffer->download(),
+                          "rms_norm vs mla_rmsnorm_quant kv output"));
+}
+
+// ---- bad arguments -----------------------------------------------------------------------------
+
+struct Valid {
+  Case c;
+  Job j;
+  RmsNormQuantParams p;
+};
+
+Valid valid_setup(Device device) {
+  Valid v;
+  v.c.N = 1536;
+  v.c.T = 16;
+  v.c.residual = true;
+  v.c.normed = Case::kSeparate;
+  std::mt19937_64 rng(1000);
+  v.j = make_job(device, v.c, rng, true, true);
+  upload(v.j);
+  v.p.num_tokens = v.c.T;
+  v.p.input = v.j.input.device_view();
+  v.p.weight = v.j.weight.device_view();
+  v.p.residual = v.j.residual.device_view();
+  v.p.normed_out = v.j.normed_out.device_view();
+  v.p.quant = quant_view(v.j, v.c);
+  return v;
+}
+
+void expect_nothing_written(const Valid& v, const std::string& what) {
+  for (const Tensor* t :
+       {&v.j.input, &v.j.weight, &v.j.residual, &v.j.normed_out, &v.j.values, &v.j.scales}) {
+    EXPECT_TRUE(buffer_unchanged(*t->buffer, what));
+  }
+}
+
+void expect_error(const std::function<void()>& fn, const std::string& arg,
+                  const std::string& what) {
+  try {
+    fn();
+    ADD_FAILURE() << what << ": expected mlakv::Error naming " << arg << ", nothing thrown";
+  } catch (const Error& e) {
+    EXPECT_NE(e.message().find(arg), std::string::npos)
+        << what << ": the message does not name " << arg << ": " << e.message();
+  }
+}
+
+TEST_P(RmsNormQuantTest, BadArgumentsWriteNothing) {
+  const Device dev = device();
+  struct Mutation {
+    std::string what;
+    std::string arg;
+    std::function<void(RmsNormQuantParams&)> apply;
+  };
+  const Device other =
+      dev.type == DeviceType::kCPU ? Device{DeviceType::kCUDA, 0} : Device{DeviceType::kCPU, 0};
+  auto offset_bytes = [](TensorView& t, int64_t bytes) {
+    t.data = static_cast<char*>(t.data) + bytes;
+  };
+  const std::vector<Mutation> mutations = {
+      {"negative num_tokens", "num_tokens", [](auto& p) { p.num_tokens = -1; }},
+      {"input missing", "input", [](auto& p) { p.input = TensorView{}; }},
+      {"input dtype int32", "input", [](auto& p) { p.input.dtype = DType::kInt32; }},
+      {"input 3-d", "input",
+       [](auto& p) {
+         p.input.ndim = 3;
+         p.input.shape[2] = 1;
+         p.input.stride[2] = 1;
+       }},
+      {"input rows < T", "input", [](auto& p) { p.input.shape[0] = p.num_tokens - 1; }},
+      {"input innermost stride 2", "input", [](auto& p) { p.input.stride[1] = 2; }},
+      {"input row stride not 16 B", "input", [](auto& p) { p.input.stride[0] = 1540; }},
+      {"input rows overlap", "input", [](auto& p) { p.input.stride[0] = 8; }},
+      {"input misaligned", "input", [&](auto& p) { offset_bytes(p.input, 2); }},
+      {"weight dtype", "weight", [](auto& p) { p.weight.dtype = DType::kFloat16; }},
+      {"weight shape", "weight", [](auto& p) { p.weight.shape[0] = 1535; }},
+      {"weight missing", "weight", [](auto& p) { p.weight = TensorView{}; }},
+      {"weight device", "weight", [&](auto& p) { p.weight.device = other; }},
+      {"weight misaligned", "weight", [&](auto& p) { offset_bytes(p.weight, 8); }},
+      {"eps NaN", "eps", [](auto& p) { p.eps = std::nanf(""); }},
+      {"eps negative", "eps", [](auto& p) { p.eps = -1.0f; }},
+      {"residual dtype", "residual", [](auto& p) { p.residual.dtype = DType::kFloat16; }},
+      {"residual shape", "residual", [](auto& p) { p.residual.shape[1] = 512; }},
+      {"residual device", "residual", [&](auto& p) { p.residual.device = other; }},
+      {"residual is input", "residual", [](auto& p) { p.residual = p.input; }},
+      {"normed_out dtype", "normed_out", [](auto& p) { p.normed_out.dtype = DType::kFloat32; }},
+      {"normed_out rows", "normed_out", [](auto& p) { p.normed_out.shape[0] = 3; }},
+      {"normed_out is residual", "normed_out", [](auto& p) { p.normed_out = p.residual; }},
+      {"group size 100", "quant.group_size", [](auto& p) { p.quant.group_size = 100; }},
+      {"group size 512", "quant.group_size", [](auto& p) { p.quant.group_size = 512; }},
+      {"group size 8", "quant.group_size", [](auto& p) { p.quant.group_size = 8; }},
+      {"scale_floor 0", "quant.scale_floor", [](auto& p) { p.quant.scale_floor = 0.0f; }},
+      {"scale_floor inf", "quant.scale_floor", [](auto& p) { p.quant.scale_floor = INFINITY; }},
+      {"values dtype bf16", "quant.values",
+       [](auto& p) { p.quant.values.dtype = DType::kBFloat16; }},
+      {"values dtype e5m2", "quant.values",
+       [](auto& p) { p.quant.values.dtype = DType::kFloat8E5M2; }},
+      {"values missing", "quant.values", [](auto& p) { p.quant.values = TensorView{}; }},
+      {"values shape", "quant.values", [](auto& p) { p.quant.values.shape[1] = 1024; }},
+      {"values device", "quant.values", [&](auto& p) { p.quant.values.device = other; }},
+      {"values misaligned", "quant.values", [&](auto& p) { offset_bytes(p.quant.values, 4); }},
+      {"scales dtype", "quant.scales", [](auto& p) { p.quant.scales.dtype = DType::kBFloat16; }},
+      {"scales missing", "quant.scales", [](auto& p) { p.quant.scales = TensorView{}; }},
+      {"scales groups", "quant.scales", [](auto& p) { p.quant.scales.shape[1] = 24; }},
+      {"scales rows", "quant.scales", [](auto& p) { p.quant.scales.shape[0] = 15; }},
+      {"scales row stride too small", "quant.scales",
+       [](auto& p) { p.quant.scales.stride[0] = 11; }},
+      {"scales column-major stride too small", "quant.scales",
+       [](auto& p) {
+         p.quant.scales.stride[0] = 1;
+         p.quant.scales.stride[1] = p.quant.scales.shape[0] - 1;
+       }},
+      {"scales misaligned", "quant.scales", [&](auto& p) { offset_bytes(p.quant.scales, 2); }},
+      {"scales device", "quant.scales", [&](auto& p) { p.quant.scales.device = other; }},
+      {"scales overlap input", "quant.scales",
+       [](auto& p) {
+         p.quant.scales.data = p.input.data;
+         p.quant.scales.device = p.input.device;
+       }},
+  };
+  for (const Mutation& m : mutations) {
+    Valid v = valid_setup(dev);
+    m.apply(v.p);
+    expect_error([&] { rmsnorm_quant(v.p); }, m.arg, m.what);
+    expect_nothing_written(v, m.what);
+  }
+
+  // N % G != 0 (N = 1552 = 97 * 16, G = 32).
+  {
+    Case c;
+    c.N = 1552;
+    c.T = 4;
+    c.group_size = 32;
+    std::mt19937_64 rng(1001);
+    Job j = make_job(dev, c, rng, true, false);
+    j.values = rows_tensor(dev, DType::kFloat8E4M3, c.T, c.N, 0);
+    j.scales = scales_tensor(dev, c.T, 48, ScaleLayout::kRowMajor, 0);
+    upload(j);
+    RmsNormQuantParams p;
+    p.num_tokens = c.T;
+    p.input = j.input.device_view();
+    p.weight = j.weight.device_view();
+    p.quant = quant_view(j, c);
+    expect_error([&] { rmsnorm_quant(p); }, "quant.group_size", "N % G != 0");
+    EXPECT_TRUE(buffer_unchanged(*j.values.buffer, "N % G values"));
+    EXPECT_TRUE(buffer_unchanged(*j.scales.buffer, "N % G scales"));
+  }
+}
+
+TEST_P(RmsNormQuantTest, DualBadArgumentsWriteNothing) {
+  const Device dev = device();
+  Case qc;
+  qc.T = 8;
+  Case kc;
+  kc.N = 512;
+  kc.T = 8;
+  kc.normed = Case::kSeparate;
+  std::mt19937_64 rng(1100);
+  Job q = make_job(dev, qc, rng, true, true);
+  Job kv = make_job(dev, kc, rng, true, false);
+  upload(q);
+  upload(kv);
+  auto valid = [&] {
+    MlaRmsNormQuantParams p;
+    p.q.num_tokens = qc.T;
+    p.q.input = q.input.device_view();
+    p.q.weight = q.weight.device_view();
+    p.q.quant = quant_view(q, qc);
+    p.kv.num_tokens = kc.T;
+    p.kv.input = kv.input.device_view();
+    p.kv.weight = kv.weight.device_view();
+    p.kv.output = kv.normed_out.device_view();
+    return p;
+  };
+  const Device other =
+      dev.type == DeviceType::kCPU ? Device{DeviceType::kCUDA, 0} : Device{DeviceType::kCPU, 0};
+  struct Mutation {
+    std::string what;
+    std::string arg;
+    std::function<void(MlaRmsNormQuantParams&)> apply;
+  };
+  const std::vector<Mutation> mutations = {
+      {"kv dtype differs", "kv.input", [](auto& p) { p.kv.input.dtype = DType::kFloat16; }},
+      {"kv output missing", "kv.output", [](auto& p) { p.kv.output = TensorView{}; }},
+      {"kv output dtype", "kv.output", [](auto& p) { p.kv.output.dtype = DType::kFloat16; }},
+      {"kv weight shape", "kv.weight", [](auto& p) { p.kv.weight.shape[0] = 1536; }},
+      {"kv on another device", "kv.input", [&](auto& p) { p.kv.input.device = other; }},
+      {"kv rows < T", "kv.input", [](auto& p) { p.kv.num_tokens = 11; }},
+      {"kv output is q values", "kv.output",
+       [](auto& p) { p.kv.output.data = p.q.quant.values.data; }},
+      {"q group size", "q.quant.group_size", [](auto& p) { p.q.quant.group_size = 48; }},
+      {"q scales stride", "q.quant.scales", [](auto& p) { p.q.quant.scales.stride[0] = 2; }},
+  };
+  for (const Mutation& m : mutations) {
+    MlaRmsNormQuantParams p = valid();
+    m.apply(p);
+    expect_error([&] { mla_rmsnorm_quant(p); }, m.arg, m.what);
+    for (const Job* j : {&q, &kv}) {
+      for (const Tensor* t : {&j->input, &j->weight, &j->normed_out, &j->values, &j->scales}) {
+        if (t->present()) {
+          EXPECT_TRUE(buffer_unchanged(*t->buffer, m.what));
+        }
+      }
+    }
+  }
+
+  // per_token_group_quant_fp8: the same checks on its arguments.
+  PerTokenGroupQuantParams pq;
+  pq.num_tokens = qc.T;
+  pq.input = q.input.device_view();
+  pq.quant = quant_view(q, qc);
+  pq.quant.scales.dtype = DType::kFloat16;
+  expect_error([&] { per_token_group_quant_fp8(pq); }, "quant.scales", "quant scales dtype");
+  pq.quant = quant_view(q, qc);
+  pq.input.dtype = DType::kFloat8E4M3;
+  expect_error([&] { per_token_group_quant_fp8(pq); }, "input", "quant input dtype");
+  EXPECT_TRUE(buffer_unchanged(*q.values.buffer, "per_token_group_quant_fp8 values"));
+  EXPECT_TRUE(buffer_unchanged(*q.scales.buffer, "per_token_group_quant_fp8 scales"));
+}
+
+TEST(RmsNormQuantHelpers, ColumnMajorScalesView) {
+  float data[16];
+  const TensorView v = column_major_scales_view(data, 3, 4, 4);
+  EXPECT_EQ(v.ndim, 2);
+  EXPECT_EQ(v.shape[0], 3);
+  EXPECT_EQ(v.shape[1], 4);
+  EXPECT_EQ(v.stride[0], 1);
+  EXPECT_EQ(v.stride[1], 4);
+  EXPECT_THROW(column_major_scales_view(data, 5, 4, 4), Error);
+  // The default floor reproduces vLLM's max(amax, 1e-10) / 448 for a tiny amax.
+  EXPECT_EQ(kDefaultScaleFloor, 1e-10f / 448.0f);
+}
+
+// The reference itself: a few hand-checked roundings.
+TEST(RmsNormQuantReference, Roundings) {
+  EXPECT_EQ(round_format(1.0625, kE4M3), 1.0);   // tie -> even mantissa
+  EXPECT_EQ(round_format(1.1875, kE4M3), 1.25);  // tie -> even mantissa
+  EXPECT_EQ(round_format(460.0, kE4M3), 448.0);  // saturates
+  EXPECT_EQ(round_format(1e9, kE4M3), 448.0);
+  EXPECT_EQ(round_format(std::ldexp(1.0, -10), kE4M3), 0.0);  // half the smallest subnormal: even
+  EXPECT_EQ(round_format(std::ldexp(3.0, -10), kE4M3), std::ldexp(1.0, -8));
+  EXPECT_EQ(encode_format(448.0, kE4M3), 0x7eu);
+  EXPECT_EQ(encode_format(-std::ldexp(1.0, -9), kE4M3), 0x81u);
+  EXPECT_EQ(encode_format(1.0, kBf16), 0x3f80u);
+  EXPECT_EQ(encode_format(65504.0, kFp16), 0x7bffu);
+  EXPECT_EQ(round_format(65520.0, kFp16), HUGE_VAL);
+  EXPECT_EQ(decode_format(0x0001u, kFp16), std::ldexp(1.0, -24));
+  EXPECT_EQ(ref_group_scale(448.0 * 3.0, 1e-10, true), 4.0);
+  EXPECT_EQ(ref_group_scale(448.0 * 4.0, 1e-10, true), 4.0);
+}
+
+INSTANTIATE_TEST_SUITE_P(Backends, RmsNormQuantTest, testing::ValuesIn(all_backends()),
+                         backend_param_name);
+
+}  // namespace
+}  // namespace test
+}  // namespace mlakv
