@@ -1,0 +1,174 @@
+// mlakv tests: backends under test, mirrored host/device buffers, fills and bitwise comparisons.
+//
+// Every test follows one pattern: fill host buffers (random inputs, POISONED outputs, a SENTINEL
+// cache), upload them to the backend's device, run the reference on the host copies and the library
+// on the device copies, then download every buffer and compare it with its host copy, byte for
+// byte (all of it: rows past T, gaps between strided rows and untouched cache entries included).
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <memory>
+#include <ostream>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "mlakv/mlakv.h"
+
+namespace mlakv {
+namespace test {
+
+constexpr uint8_t kPoisonByte = 0xA5;
+constexpr uint8_t kSentinelByte = 0x5C;
+
+// ---- backends ----------------------------------------------------------------------------------
+struct Backend {
+  std::string name;  // "cpu", "cuda0"
+  Device device;
+};
+// CPU always; cuda:0 when the CUDA backend is built and a GPU is visible.
+std::vector<Backend> all_backends();
+void PrintTo(const Backend& backend, std::ostream* os);
+std::string backend_param_name(const testing::TestParamInfo<Backend>& info);
+
+// ---- buffers -----------------------------------------------------------------------------------
+// One allocation on a backend's device with a host mirror. `host` holds the initial contents until
+// the reference has run on it, then the expected contents; `initial` keeps the initial contents.
+class Buffer {
+ public:
+  Buffer(Device device, size_t bytes);
+  ~Buffer();
+  Buffer(const Buffer&) = delete;
+  Buffer& operator=(const Buffer&) = delete;
+
+  size_t bytes() const { return host.size(); }
+  void* device_ptr() const { return device_ptr_; }
+  Device device() const { return device_; }
+  // host -> device, and snapshot `initial`.
+  void upload();
+  std::vector<uint8_t> download() const;
+
+  std::vector<uint8_t> host;
+  std::vector<uint8_t> initial;
+
+ private:
+  Device device_;
+  void* device_ptr_ = nullptr;
+};
+
+// A strided view (element strides, element offset) into a Buffer; yields the same view on the
+// host mirror and on the device copy.
+struct Tensor {
+  std::shared_ptr<Buffer> buffer;
+  DType dtype = DType::kFloat32;
+  std::vector<int64_t> shape;
+  std::vector<int64_t> stride;
+  int64_t offset = 0;
+
+  bool present() const { return buffer != nullptr; }
+  TensorView host_view() const;
+  TensorView device_view() const;
+  // The same buffer seen with another offset (elements of dtype), shape and strides.
+  Tensor view(int64_t new_offset, std::vector<int64_t> new_shape,
+              std::vector<int64_t> new_stride) const;
+  // Byte offset of an element inside the buffer.
+  int64_t byte_offset(std::initializer_list<int64_t> index) const;
+  int64_t host_index(int64_t i) const;  // 1-d int tensors: the element i
+};
+
+// A contiguous tensor with its own buffer of `dtype` (element strides derived from shape).
+Tensor new_tensor(Device device, DType dtype, std::vector<int64_t> shape);
+// A tensor over a raw buffer of `total_elems`, viewed with explicit shape/strides/offset.
+Tensor new_strided_tensor(Device device, DType dtype, int64_t total_elems,
+                          std::vector<int64_t> shape, std::vector<int64_t> stride,
+                          int64_t offset = 0);
+
+// ---- fills -------------------------------------------------------------------------------------
+// Random values of `dtype` in [-amplitude, amplitude] over the WHOLE buffer (gaps included),
+// never exactly zero. Integer dtypes get random bytes.
+void fill_random(Buffer& buffer, DType dtype, std::mt19937_64& rng, float amplitude = 2.0f);
+void fill_bytes(Buffer& buffer, uint8_t byte);
+// 1-d int tensor (int32 / int64) set from values; the rest of the buffer keeps its contents.
+void set_indices(const Tensor& tensor, const std::vector<int64_t>& values);
+void set_scalar_f32(const Tensor& tensor, float value);
+
+// ---- comparisons -------------------------------------------------------------------------------
+// A part of a buffer compared element-wise with a tolerance in code steps (ordered-integer distance
+// of the bit patterns: 1 = one ulp / one fp8 code) instead of exactly.
+struct TolerantRange {
+  int64_t byte_offset;
+  int64_t num_elems;
+  int elem_bytes;  // 1, 2 or 4
+  int64_t tolerance_codes;
+};
+
+// Compares `got` with `expected` byte for byte outside the tolerant ranges, element-wise inside.
+// Reports the first mismatches (index, got, expected) and returns whether they were equal.
+testing::AssertionResult bytes_equal(const std::vector<uint8_t>& got,
+                                     const std::vector<uint8_t>& expected, const std::string& what,
+                                     const std::vector<TolerantRange>& tolerant = {});
+// Downloads the buffer and compares it with its host mirror.
+testing::AssertionResult buffer_matches(const Buffer& buffer, const std::string& what,
+                                        const std::vector<TolerantRange>& tolerant = {});
+// Downloads the buffer and compares it with its initial contents (an input the op must not touch).
+testing::AssertionResult buffer_unchanged(const Buffer& buffer, const std::string& what);
+
+// ---- caches ------------------------------------------------------------------------------------
+struct CacheGeometry {
+  CacheFormat format = CacheFormat::kBFloat16;
+  int64_t num_blocks = 8;
+  int64_t block_size = 16;
+  int64_t L = 512;
+  int64_t R = 64;
+  bool split = false;
+  int64_t token_pad_bytes = 0;  // extra bytes after every entry (combined) / latent row (split)
+  int64_t block_pad_bytes = 0;  // extra bytes after every block
+  float scale = 0.0f;           // per-tensor fp8: the fp32 scale; 0 = no scale pointer (1.0)
+  bool pow2 = false;            // fp8_ds_mla power-of-two tile scales
+};
+
+// A cache filled with the sentinel byte, with its scale tensor when the geometry asks for one.
+struct TestCache {
+  CacheGeometry geometry;
+  std::shared_ptr<Buffer> data;
+  std::shared_ptr<Buffer> rope_data;  // split only
+  Tensor scale;                       // [1] fp32, or absent
+  KVCacheView host_view() const;
+  KVCacheView device_view() const;
+  int64_t num_slots() const { return geometry.num_blocks * geometry.block_size; }
+};
+TestCache new_cache(Device device, const CacheGeometry& geometry);
+
+// The tolerance, in codes of `storage`, of a value that came out of an RMSNorm and was rounded to
+// `model`: the fp32 sum of squares may be summed in another order, so the rounded value may be one
+// ulp of the model dtype off (a float32 model: 16 ulps, a few-ulp error of the fp32 rsqrt carried
+// through two products); stored in a wider dtype that ulp spans several codes of it.
+int64_t norm_tolerance_codes(DType storage, DType model);
+
+// Compares a cache with its host mirror: exact, except the latent parts of `norm_slots` (entries
+// whose latent values came out of an RMSNorm): within norm_tolerance_codes, fp8_ds_mla tile scales
+// within 2^-7 relative. Independently of the reference, every byte outside the entries of
+// `written_slots` must still be the sentinel.
+void expect_cache_matches(const TestCache& cache, const std::vector<int64_t>& written_slots,
+                          const std::vector<int64_t>& norm_slots, DType model,
+                          const std::string& what);
+
+// ---- error counters ----------------------------------------------------------------------------
+// A zeroed counter array on the device, and its read-back.
+struct ErrorCounts {
+  explicit ErrorCounts(Device device);
+  int32_t* device_ptr() const;
+  std::vector<int32_t> read() const;
+  Tensor tensor;
+};
+std::string counts_to_string(const std::vector<int32_t>& counts);
+
+// Tolerant range helper: rows [0, rows) of a 2-d / 3-d model-dtype tensor, `cols` elements each
+// starting at column `col` (3-d: every head).
+std::vector<TolerantRange> rows_tolerant(const Tensor& tensor, int64_t rows, int64_t col,
+                                         int64_t cols, int64_t tolerance_codes);
+
+}  // namespace test
+}  // namespace mlakv

@@ -1,0 +1,244 @@
+// mlakv tests: the fused op against the reference, over named model configs, cache formats, model
+// dtypes, block sizes, RoPE styles, optional outputs, q_out variants and entry points.
+#include <gtest/gtest.h>
+
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "fused_problem.h"
+
+namespace mlakv {
+namespace test {
+namespace {
+
+struct FormatCase {
+  const char* name;
+  CacheFormat format;
+  float scale;
+  bool pow2;
+};
+const FormatCase kFormats[] = {
+    {"bf16", CacheFormat::kBFloat16, 0.0f, false},
+    {"fp16", CacheFormat::kFloat16, 0.0f, false},
+    {"fp32", CacheFormat::kFloat32, 0.0f, false},
+    {"e4m3", CacheFormat::kFloat8E4M3, 0.037f, false},
+    {"e4m3noscale", CacheFormat::kFloat8E4M3, 0.0f, false},
+    {"e5m2", CacheFormat::kFloat8E5M2, 0.037f, false},
+    {"dsmla", CacheFormat::kFloat8DsMla, 0.0f, false},
+    {"dsmlapow2", CacheFormat::kFloat8DsMla, 0.0f, true},
+};
+
+FusedSpec base(const ModelShape& shape, const FormatCase& f, int64_t T, int64_t Td) {
+  FusedSpec s;
+  s.shape = shape;
+  s.T = T;
+  s.Td = Td;
+  s.cache.format = f.format;
+  s.cache.scale = f.scale;
+  s.cache.pow2 = f.pow2;
+  s.name = std::string(shape.name) + "_" + f.name + "_T" + std::to_string(T) + "_Td" +
+           std::to_string(Td);
+  return s;
+}
+
+bool format_fits(const ModelShape& shape, CacheFormat f) {
+  return f != CacheFormat::kFloat8DsMla || (shape.L == 512 && shape.R == 64);
+}
+
+// Every named model x every cache format, mixed batch, both optional outputs, RMSNorm on the
+// fp8 formats (where the norm's 1-ulp freedom reaches the quantizer) and off on the others.
+std::vector<FusedSpec> model_format_specs() {
+  std::vector<FusedSpec> out;
+  const ModelShape shapes[] = {kDeepSeekV3, kDeepSeekV3Tp8, kKimiK2, kDeepSeekV2Lite, kMiniCpm3};
+  uint64_t seed = 100;
+  for (const ModelShape& shape : shapes) {
+    for (const FormatCase& f : kFormats) {
+      if (!format_fits(shape, f.format)) continue;
+      const bool big = shape.H >= 64;
+      FusedSpec s = base(shape, f, big ? 9 : 33, big ? 4 : 13);
+      s.norm = f.format == CacheFormat::kFloat8E4M3 || f.format == CacheFormat::kFloat8DsMla;
+      s.k_pe_out = true;
+      s.kv_c_out = true;
+      s.seed = seed++;
+      out.push_back(s);
+    }
+  }
+  return out;
+}
+
+// Block sizes 1, 7 (odd), 16, 64, 128 with T = 130 (several pages; block 128 spans two).
+std::vector<FusedSpec> block_size_specs() {
+  std::vector<FusedSpec> out;
+  uint64_t seed = 200;
+  for (int64_t bs : {1, 7, 16, 64, 128}) {
+    for (const FormatCase& f : {kFormats[0], kFormats[3], kFormats[6]}) {
+      FusedSpec s = base(kDeepSeekV3Tp8, f, 130, 50);
+      s.name += "_bs" + std::to_string(bs);
+      s.cache.block_size = bs;
+      s.norm = true;
+      s.seed = seed++;
+      out.push_back(s);
+    }
+  }
+  return out;
+}
+
+// Model dtypes fp16 and fp32 with the formats they pair with; NeoX; bf16 / fp16 tables.
+std::vector<FusedSpec> dtype_style_specs() {
+  std::vector<FusedSpec> out;
+  uint64_t seed = 300;
+  for (DType model : {DType::kFloat16, DType::kFloat32}) {
+    for (const FormatCase& f : {kFormats[0], kFormats[1], kFormats[2], kFormats[3], kFormats[5]}) {
+      for (bool norm : {false, true}) {
+        FusedSpec s = base(kDeepSeekV3Tp8, f, 7, 3);
+        s.model = model;
+        s.norm = norm;
+        s.k_pe_out = s.kv_c_out = true;
+        s.name += std::string("_") + dtype_name(model) + (norm ? "_norm" : "");
+        s.seed = seed++;
+        out.push_back(s);
+      }
+    }
+  }
+  for (const ModelShape& shape : {kDeepSeekV3Tp8, kMiniCpm3}) {
+    for (DType table : {DType::kFloat32, DType::kBFloat16, DType::kFloat16}) {
+      for (const FormatCase& f : {kFormats[0], kFormats[3]}) {
+        FusedSpec s = base(shape, f, 33, 10);
+        s.style = RopeStyle::kNeox;
+        s.table_dtype = table;
+        s.name += std::string("_neox_table_") + dtype_name(table);
+        s.seed = seed++;
+        out.push_back(s);
+        s.style = RopeStyle::kGptJ;
+        s.name = base(shape, f, 33, 10).name + "_gptj_table_" + dtype_name(table);
+        s.seed = seed++;
+        out.push_back(s);
+      }
+    }
+  }
+  return out;
+}
+
+// q_out and entry-point variants.
+std::vector<FusedSpec> q_side_specs() {
+  std::vector<FusedSpec> out;
+  uint64_t seed = 400;
+  auto add = [&](FusedSpec s, const std::string& suffix) {
+    s.name += "_" + suffix;
+    s.seed = seed++;
+    out.push_back(s);
+  };
+  const FusedSpec b = base(kDeepSeekV3Tp8, kFormats[0], 33, 13);
+  {
+    FusedSpec s = b;
+    s.q_out_dtype = DType::kFloat8E4M3;
+    s.q_scale = 0.05f;
+    add(s, "qout_e4m3_scaled");
+    s.q_scale = 0.0f;
+    add(s, "qout_e4m3_noscale");
+    s.q_out_dtype = DType::kFloat8E5M2;
+    s.q_scale = 0.3f;
+    add(s, "qout_e5m2_scaled");
+    s.amplitude = 30.0f;
+    s.q_out_dtype = DType::kFloat8E4M3;
+    s.q_scale = 0.037f;
+    s.cache.format = CacheFormat::kFloat8E4M3;
+    s.cache.scale = 0.037f;
+    add(s, "qout_e4m3_and_cache_saturating");
+  }
+  {
+    FusedSpec s = b;
+    s.nope = Nope::kAbsent;
+    add(s, "nope_absent");
+    s.nope = Nope::kAliased;
+    add(s, "nope_aliased");
+    s.model = DType::kFloat16;
+    add(s, "nope_aliased_fp16");
+  }
+  {
+    FusedSpec s = b;
+    s.prefill_out = true;
+    add(s, "prefill_out");
+    s.prefill_out = false;
+    // No q_out: the decode rows get their K side only. The validator accepts that with a device
+    // Td (or a host Td of 0), not with a host Td > 0.
+    s.decode_q = false;
+    s.device_td = true;
+    s.device_td_value = 13;
+    add(s, "no_decode_q_device_td");
+    s.device_td = false;
+    s.decode_q = true;
+    s.prefill_q = false;
+    add(s, "no_prefill_q");
+    s.decode_q = false;
+    s.Td = 0;
+    add(s, "k_side_only");
+  }
+  {
+    FusedSpec s = b;
+    s.k_pe_out = s.kv_c_out = true;
+    s.outs_in_place = true;
+    add(s, "outs_in_place");
+    s.norm = true;
+    add(s, "outs_in_place_norm");
+    s.cache.format = CacheFormat::kFloat8DsMla;
+    add(s, "outs_in_place_norm_dsmla");
+  }
+  for (Entry e : {Entry::kDecode, Entry::kPrefill, Entry::kMixed}) {
+    for (const FormatCase& f : {kFormats[0], kFormats[6]}) {
+      FusedSpec s = base(kDeepSeekV3Tp8, f, 33, 13);
+      s.entry = e;
+      s.decode_q = e != Entry::kPrefill;
+      s.prefill_q = e != Entry::kDecode;
+      s.prefill_out = e == Entry::kPrefill;
+      s.k_pe_out = true;
+      add(s, e == Entry::kDecode    ? "entry_decode"
+             : e == Entry::kPrefill ? "entry_prefill"
+                                    : "entry_mixed");
+    }
+  }
+  for (int64_t Td : {0, 1, 32, 33}) {
+    FusedSpec s = base(kDeepSeekV3Tp8, kFormats[0], 33, Td);
+    add(s, "host_td");
+  }
+  for (int64_t T : {1, 2}) {
+    FusedSpec s = base(kDeepSeekV3, kFormats[6], T, T == 1 ? 1 : 0);
+    s.norm = true;
+    add(s, "tiny");
+  }
+  return out;
+}
+
+using Param = std::tuple<Backend, FusedSpec>;
+
+class FusedOp : public testing::TestWithParam<Param> {};
+
+TEST_P(FusedOp, MatchesReference) {
+  run_fused_case(std::get<1>(GetParam()), std::get<0>(GetParam()).device);
+}
+
+std::string param_name(const testing::TestParamInfo<Param>& info) {
+  return std::get<0>(info.param).name + "_" + std::get<1>(info.param).name;
+}
+
+INSTANTIATE_TEST_SUITE_P(Models, FusedOp,
+                         testing::Combine(testing::ValuesIn(all_backends()),
+                                          testing::ValuesIn(model_format_specs())),
+                         param_name);
+INSTANTIATE_TEST_SUITE_P(BlockSizes, FusedOp,
+                         testing::Combine(testing::ValuesIn(all_backends()),
+                                          testing::ValuesIn(block_size_specs())),
+                         param_name);
+INSTANTIATE_TEST_SUITE_P(DtypesStyles, FusedOp,
+                         testing::Combine(testing::ValuesIn(all_backends()),
+                                          testing::ValuesIn(dtype_style_specs())),
+                         param_name);
+INSTANTIATE_TEST_SUITE_P(QSide, FusedOp,
+                         testing::Combine(testing::ValuesIn(all_backends()),
+                                          testing::ValuesIn(q_side_specs())),
+                         param_name);
+
+}  // namespace
+}  // namespace test
+}  // namespace mlakv

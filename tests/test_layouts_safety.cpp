@@ -1,0 +1,233 @@
+// mlakv tests: the fused op on strided / aliased layouts, split and padded caches, and the safety
+// rules (padding slots, slots past the cache, positions past the table, device Td, rows >= T,
+// checked mode), always against the reference and with exact error counts.
+#include <gtest/gtest.h>
+
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "fused_problem.h"
+
+namespace mlakv {
+namespace test {
+namespace {
+
+FusedSpec named(const std::string& name, CacheFormat format = CacheFormat::kBFloat16,
+                float scale = 0.0f) {
+  static uint64_t seed = 500;
+  FusedSpec s;
+  s.name = name;
+  s.T = 33;
+  s.Td = 13;
+  s.cache.format = format;
+  s.cache.scale = scale;
+  s.k_pe_out = true;
+  s.kv_c_out = true;
+  s.seed = seed++;
+  return s;
+}
+
+std::vector<FusedSpec> layout_specs() {
+  std::vector<FusedSpec> out;
+  {
+    FusedSpec s = named("kv_a_columns");
+    s.kv_a_fused = true;
+    out.push_back(s);
+    s = named("kv_a_columns_padded_in_place_norm");
+    s.kv_a_fused = true;
+    s.row_pad = 8;
+    s.outs_in_place = true;
+    s.norm = true;
+    out.push_back(s);
+  }
+  for (int64_t pad : {8, 3}) {
+    FusedSpec s = named("row_pad" + std::to_string(pad));
+    s.row_pad = pad;
+    s.prefill_out = pad == 3;
+    out.push_back(s);
+  }
+  {
+    FusedSpec s = named("q_pe_view_of_q");
+    s.q_pe_in_q = true;
+    out.push_back(s);
+    s = named("q_pe_view_of_q_fp8_qout");
+    s.q_pe_in_q = true;
+    s.q_out_dtype = DType::kFloat8E4M3;
+    s.q_scale = 0.02f;
+    out.push_back(s);
+    s = named("q_pe_head_major");
+    s.q_pe_head_major = true;
+    out.push_back(s);
+    s = named("q_pe_head_major_neox_minicpm3");
+    s.shape = kMiniCpm3;
+    s.q_pe_head_major = true;
+    s.style = RopeStyle::kNeox;
+    out.push_back(s);
+  }
+  {
+    FusedSpec s = named("index32");
+    s.index32 = true;
+    out.push_back(s);
+    s = named("no_extra_rows");
+    s.extra_rows = 0;
+    out.push_back(s);
+    s = named("many_extra_rows");
+    s.extra_rows = 40;
+    out.push_back(s);
+    s = named("decode_rows_exactly_td");
+    s.decode_rows_exact = true;
+    out.push_back(s);
+  }
+  // Split latent / rope caches, contiguous and with custom (padded) strides.
+  struct F {
+    const char* name;
+    CacheFormat format;
+    float scale;
+  };
+  const F split_formats[] = {{"bf16", CacheFormat::kBFloat16, 0.0f},
+                             {"fp16", CacheFormat::kFloat16, 0.0f},
+                             {"fp32", CacheFormat::kFloat32, 0.0f},
+                             {"e4m3", CacheFormat::kFloat8E4M3, 0.037f},
+                             {"e5m2", CacheFormat::kFloat8E5M2, 0.037f}};
+  for (const F& f : split_formats) {
+    for (bool padded : {false, true}) {
+      FusedSpec s =
+          named(std::string("split_") + f.name + (padded ? "_padded" : ""), f.format, f.scale);
+      s.cache.split = true;
+      s.cache.block_size = padded ? 7 : 16;
+      if (padded) {
+        s.cache.token_pad_bytes = 32;
+        s.cache.block_pad_bytes = 96;
+      }
+      s.norm = padded;
+      out.push_back(s);
+    }
+  }
+  const F combined_formats[] = {{"bf16", CacheFormat::kBFloat16, 0.0f},
+                                {"e4m3", CacheFormat::kFloat8E4M3, 0.037f},
+                                {"dsmla", CacheFormat::kFloat8DsMla, 0.0f}};
+  for (const F& f : combined_formats) {
+    FusedSpec s = named(std::string("combined_padded_") + f.name, f.format, f.scale);
+    s.cache.token_pad_bytes = 16;
+    s.cache.block_pad_bytes = 48;
+    s.cache.block_size = 64;
+    s.norm = true;
+    out.push_back(s);
+  }
+  return out;
+}
+
+std::vector<FusedSpec> safety_specs() {
+  std::vector<FusedSpec> out;
+  for (CacheFormat f :
+       {CacheFormat::kBFloat16, CacheFormat::kFloat8E4M3, CacheFormat::kFloat8DsMla}) {
+    const std::string fname = cache_format_name(f);
+    FusedSpec s = named("padding_" + fname, f, 0.037f);
+    s.padding_every = 3;
+    out.push_back(s);
+    s = named("bad_slots_" + fname, f, 0.037f);
+    s.bad_slots = 5;
+    out.push_back(s);
+    s = named("bad_positions_" + fname, f, 0.037f);
+    s.bad_positions = 4;
+    out.push_back(s);
+    s = named("all_bad_" + fname, f, 0.037f);
+    s.padding_every = 4;
+    s.bad_slots = 3;
+    s.bad_positions = 5;
+    s.cache.block_size = 1;
+    out.push_back(s);
+    s.name = "all_bad_index32_" + fname;
+    s.index32 = true;
+    out.push_back(s);
+  }
+  {
+    FusedSpec s = named("all_padding");
+    s.padding_every = 1;
+    out.push_back(s);
+  }
+  // Td from a device int32: 0, T, in between, too large and negative (both clamped, counted).
+  for (int32_t td : {0, 33, 13, 1000, -3}) {
+    FusedSpec s = named("device_td_" + std::to_string(td < 0 ? 1000 - td : td));
+    s.device_td = true;
+    s.device_td_value = td;
+    s.Td = 5;  // the host value is ignored when the device one is given
+    out.push_back(s);
+  }
+  {
+    FusedSpec s = named("device_td_mixed_entry_padding");
+    s.entry = Entry::kMixed;
+    s.device_td = true;
+    s.device_td_value = 20;
+    s.padding_every = 5;
+    s.bad_positions = 2;
+    out.push_back(s);
+  }
+  return out;
+}
+
+using Param = std::tuple<Backend, FusedSpec>;
+
+class FusedLayouts : public testing::TestWithParam<Param> {};
+
+TEST_P(FusedLayouts, MatchesReference) {
+  run_fused_case(std::get<1>(GetParam()), std::get<0>(GetParam()).device);
+}
+
+std::string param_name(const testing::TestParamInfo<Param>& info) {
+  return std::get<0>(info.param).name + "_" + std::get<1>(info.param).name;
+}
+
+INSTANTIATE_TEST_SUITE_P(Layouts, FusedLayouts,
+                         testing::Combine(testing::ValuesIn(all_backends()),
+                                          testing::ValuesIn(layout_specs())),
+                         param_name);
+INSTANTIATE_TEST_SUITE_P(Safety, FusedLayouts,
+                         testing::Combine(testing::ValuesIn(all_backends()),
+                                          testing::ValuesIn(safety_specs())),
+                         param_name);
+
+// Context::checked turns a counted problem into an mlakv::Error (after the op ran).
+class CheckedMode : public testing::TestWithParam<Backend> {};
+
+TEST_P(CheckedMode, ThrowsWhenSomethingWasCounted) {
+  FusedSpec s = named("checked_bad_slot");
+  s.bad_slots = 1;
+  FusedProblem problem(s, GetParam().device);
+  EXPECT_THROW(problem.run_library(/*checked=*/true), Error);
+
+  FusedSpec p = named("checked_bad_position");
+  p.bad_positions = 1;
+  FusedProblem problem2(p, GetParam().device);
+  EXPECT_THROW(problem2.run_library(/*checked=*/true), Error);
+}
+
+TEST_P(CheckedMode, SilentWhenNothingWasCounted) {
+  FusedSpec s = named("checked_clean");
+  s.padding_every = 3;  // padding is not an error
+  FusedProblem problem(s, GetParam().device);
+  problem.run_reference();
+  EXPECT_NO_THROW(problem.run_library(/*checked=*/true));
+  problem.expect_matches();
+}
+
+TEST_P(CheckedMode, ReadErrorCountsThrowsIfAsked) {
+  FusedSpec s = named("read_counts_bad_slot");
+  s.bad_slots = 2;
+  FusedProblem problem(s, GetParam().device);
+  problem.run_library();
+  int32_t host[kNumErrorCounters];
+  EXPECT_THROW(read_error_counts(problem.counts.device_ptr(), GetParam().device, host, nullptr,
+                                 /*throw_if_nonzero=*/true),
+               Error);
+  EXPECT_EQ(host[kBadSlot], 2);
+  reset_error_counts(problem.counts.device_ptr(), GetParam().device);
+  EXPECT_EQ(counts_to_string(problem.counts.read()), counts_to_string({0, 0, 0, 0}));
+}
+
+INSTANTIATE_TEST_SUITE_P(All, CheckedMode, testing::ValuesIn(all_backends()), backend_param_name);
+
+}  // namespace
+}  // namespace test
+}  // namespace mlakv

@@ -1,0 +1,251 @@
+// mlakv tests: the scalar numerics. Both the library's src/common/numerics.h and the reference's
+// own codec against a table of known values, then cross-checked against each other exhaustively.
+#include <gtest/gtest.h>
+
+#include <cfloat>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <random>
+
+#include "common/numerics.h"
+#include "reference/reference.h"
+
+namespace mlakv {
+namespace {
+
+float bits_to_float(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+const float kInf = std::numeric_limits<float>::infinity();
+const float kNaN = std::numeric_limits<float>::quiet_NaN();
+
+struct Known {
+  float input;
+  uint8_t code;
+  const char* why;
+};
+
+const Known kE4M3Known[] = {
+    {0.0f, 0x00, "zero"},
+    {-0.0f, 0x80, "negative zero keeps its sign"},
+    {std::ldexp(1.0f, -9), 0x01, "smallest subnormal 2^-9"},
+    {-std::ldexp(1.0f, -9), 0x81, "negative smallest subnormal"},
+    {std::ldexp(1.0f, -10), 0x00, "half the smallest subnormal: tie to even 0"},
+    {std::ldexp(1.0f, -10) * 1.001f, 0x01, "just above half the smallest subnormal"},
+    {3.0f * std::ldexp(1.0f, -10), 0x02, "subnormal tie 1.5 units -> 2"},
+    {5.0f * std::ldexp(1.0f, -10), 0x02, "subnormal tie 2.5 units -> 2"},
+    {7.5f * std::ldexp(1.0f, -9), 0x08, "tie between largest subnormal and 2^-6 -> 2^-6"},
+    {std::ldexp(1.0f, -6), 0x08, "smallest normal"},
+    {1.0f, 0x38, "one"},
+    {1.0625f, 0x38, "tie 1.0 / 1.125 -> 1.0"},
+    {1.1875f, 0x3a, "tie 1.125 / 1.25 -> 1.25"},
+    {-1.1875f, 0xba, "negative tie"},
+    {1.07f, 0x39, "nearest 1.125"},
+    {448.0f, 0x7e, "max"},
+    {-448.0f, 0xfe, "-max"},
+    {449.0f, 0x7e, "above max saturates"},
+    {464.0f, 0x7e, "tie toward the unrepresentable 480 saturates"},
+    {500.0f, 0x7e, "saturates"},
+    {1e9f, 0x7e, "saturates"},
+    {-1e9f, 0xfe, "saturates negative"},
+    {kInf, 0x7e, "+inf saturates"},
+    {-kInf, 0xfe, "-inf saturates"},
+    {FLT_MAX, 0x7e, "FLT_MAX saturates"},
+    {1e-30f, 0x00, "tiny -> 0"},
+    {-1e-30f, 0x80, "tiny negative -> -0"},
+};
+
+const Known kE5M2Known[] = {
+    {0.0f, 0x00, "zero"},
+    {-0.0f, 0x80, "negative zero"},
+    {std::ldexp(1.0f, -16), 0x01, "smallest subnormal 2^-16"},
+    {-std::ldexp(1.0f, -16), 0x81, "negative smallest subnormal"},
+    {std::ldexp(1.0f, -17), 0x00, "half the smallest subnormal: tie to even 0"},
+    {3.0f * std::ldexp(1.0f, -17), 0x02, "subnormal tie 1.5 units -> 2"},
+    {std::ldexp(1.0f, -14), 0x04, "smallest normal"},
+    {1.0f, 0x3c, "one"},
+    {1.125f, 0x3c, "tie 1.0 / 1.25 -> 1.0"},
+    {1.375f, 0x3e, "tie 1.25 / 1.5 -> 1.5"},
+    {57344.0f, 0x7b, "max"},
+    {-57344.0f, 0xfb, "-max"},
+    {61440.0f, 0x7b, "tie toward inf saturates"},
+    {60000.0f, 0x7b, "saturates"},
+    {1e9f, 0x7b, "saturates"},
+    {kInf, 0x7b, "+inf saturates"},
+    {-kInf, 0xfb, "-inf saturates"},
+};
+
+void expect_known(const Known* table, size_t n, DType dtype) {
+  for (size_t i = 0; i < n; ++i) {
+    const Known& k = table[i];
+    const uint8_t lib = dtype == DType::kFloat8E4M3 ? num::float_to_e4m3(k.input).bits
+                                                    : num::float_to_e5m2(k.input).bits;
+    EXPECT_EQ(int{lib}, int{k.code})
+        << "numerics.h " << dtype_name(dtype) << "(" << k.input << "): " << k.why;
+    EXPECT_EQ(int{ref::float_to_fp8(k.input, dtype)}, int{k.code})
+        << "reference " << dtype_name(dtype) << "(" << k.input << "): " << k.why;
+    // The decoded value of the code is the rounded value.
+    if (!std::isinf(k.input) && std::fabs(k.input) <= 448.0f && dtype == DType::kFloat8E4M3) {
+      EXPECT_EQ(num::to_float(num::Fp8E4M3{k.code}), ref::fp8_to_float(k.code, dtype));
+    }
+  }
+}
+
+TEST(Fp8Known, E4M3) { expect_known(kE4M3Known, std::size(kE4M3Known), DType::kFloat8E4M3); }
+TEST(Fp8Known, E5M2) { expect_known(kE5M2Known, std::size(kE5M2Known), DType::kFloat8E5M2); }
+
+TEST(Fp8Known, NaNStaysNaN) {
+  for (float nan : {kNaN, -kNaN, bits_to_float(0x7f800001u), bits_to_float(0xffc00123u)}) {
+    EXPECT_EQ(int{num::float_to_e4m3(nan).bits}, 0x7f);
+    EXPECT_EQ(int{ref::float_to_fp8(nan, DType::kFloat8E4M3)}, 0x7f);
+    EXPECT_TRUE(std::isnan(num::to_float(num::float_to_e5m2(nan))));
+    EXPECT_TRUE(std::isnan(
+        ref::fp8_to_float(ref::float_to_fp8(nan, DType::kFloat8E5M2), DType::kFloat8E5M2)));
+  }
+  EXPECT_TRUE(std::isnan(num::to_float(num::Fp8E4M3{0x7f})));
+  EXPECT_TRUE(std::isnan(num::to_float(num::Fp8E4M3{0xff})));
+  EXPECT_TRUE(std::isnan(ref::fp8_to_float(0xff, DType::kFloat8E4M3)));
+}
+
+TEST(Fp8Decode, AllCodesAgree) {
+  for (int c = 0; c < 256; ++c) {
+    const uint8_t code = static_cast<uint8_t>(c);
+    const float a = num::to_float(num::Fp8E4M3{code});
+    const float b = ref::fp8_to_float(code, DType::kFloat8E4M3);
+    if (std::isnan(b)) {
+      EXPECT_TRUE(std::isnan(a)) << "e4m3 code " << c;
+    } else {
+      EXPECT_EQ(a, b) << "e4m3 code " << c;
+      EXPECT_EQ(std::signbit(a), std::signbit(b)) << "e4m3 code " << c;
+    }
+    const float x = num::to_float(num::Fp8E5M2{code});
+    const float y = ref::fp8_to_float(code, DType::kFloat8E5M2);
+    if (std::isnan(y)) {
+      EXPECT_TRUE(std::isnan(x)) << "e5m2 code " << c;
+    } else {
+      EXPECT_EQ(x, y) << "e5m2 code " << c;
+      EXPECT_EQ(std::signbit(x), std::signbit(y)) << "e5m2 code " << c;
+    }
+  }
+}
+
+// Counts disagreements between numerics.h and the reference on one float; reports a few.
+struct CrossCheck {
+  int64_t failures = 0;
+  void check(float f) {
+    const uint8_t a4 = num::float_to_e4m3(f).bits;
+    const uint8_t b4 = ref::float_to_fp8(f, DType::kFloat8E4M3);
+    const uint8_t a5 = num::float_to_e5m2(f).bits;
+    const uint8_t b5 = ref::float_to_fp8(f, DType::kFloat8E5M2);
+    const uint16_t abf = num::float_to_bf16(f).bits;
+    const uint16_t bbf = ref::float_to_bf16(f);
+    const uint16_t ah = num::float_to_half(f).bits;
+    const uint16_t bh = ref::float_to_fp16(f);
+    bool ok = a4 == b4 && a5 == b5;
+    if (std::isnan(f)) {
+      ok = ok && std::isnan(num::to_float(num::Bf16{abf})) && std::isnan(ref::bf16_to_float(bbf)) &&
+           std::isnan(num::to_float(num::Half{ah})) && std::isnan(ref::fp16_to_float(bh));
+    } else {
+      ok = ok && abf == bbf && ah == bh;
+    }
+    if (!ok && failures++ < 8) {
+      uint32_t u;
+      std::memcpy(&u, &f, 4);
+      ADD_FAILURE() << "float " << f << " (0x" << std::hex << u << "): e4m3 lib 0x" << int{a4}
+                    << " ref 0x" << int{b4} << "; e5m2 lib 0x" << int{a5} << " ref 0x" << int{b5}
+                    << "; bf16 lib 0x" << abf << " ref 0x" << bbf << "; fp16 lib 0x" << ah
+                    << " ref 0x" << bh;
+    }
+  }
+};
+
+TEST(NumericsCrossCheck, AllBf16Patterns) {
+  CrossCheck cc;
+  for (uint32_t b = 0; b < 0x10000u; ++b) {
+    const float f = bits_to_float(b << 16);
+    cc.check(f);
+    // Values between bf16 neighbours exercise the 16-bit roundings' ties and near-ties.
+    cc.check(bits_to_float((b << 16) | 0x8000u));
+    cc.check(bits_to_float((b << 16) | 0x7fffu));
+  }
+  EXPECT_EQ(cc.failures, 0);
+}
+
+TEST(NumericsCrossCheck, RandomFloats) {
+  CrossCheck cc;
+  std::mt19937_64 rng(1234);
+  for (int i = 0; i < 1000000; ++i) cc.check(bits_to_float(static_cast<uint32_t>(rng())));
+  // Dense in the fp8 ranges, where the interesting roundings are.
+  std::uniform_real_distribution<float> wide(-70000.0f, 70000.0f);
+  std::uniform_real_distribution<float> narrow(-2.0f, 2.0f);
+  std::uniform_real_distribution<float> tiny(-0.02f, 0.02f);
+  for (int i = 0; i < 300000; ++i) {
+    cc.check(wide(rng));
+    cc.check(narrow(rng));
+    cc.check(tiny(rng));
+  }
+  EXPECT_EQ(cc.failures, 0);
+}
+
+// fp8 with a scale: cvt(x / scale), IEEE float division, in both.
+TEST(NumericsCrossCheck, QuantizeWithScale) {
+  std::mt19937_64 rng(99);
+  std::uniform_real_distribution<float> dist(-20.0f, 20.0f);
+  int64_t failures = 0;
+  for (float scale : {0.037f, 1.0f, 0.5f, 3.3f, 1e-3f}) {
+    for (int i = 0; i < 100000; ++i) {
+      const float x = dist(rng);
+      const uint8_t a = num::quantize<num::Fp8E4M3>(x, scale).bits;
+      const uint8_t b = ref::float_to_fp8(x / scale, DType::kFloat8E4M3);
+      const uint8_t c = num::quantize<num::Fp8E5M2>(x, scale).bits;
+      const uint8_t d = ref::float_to_fp8(x / scale, DType::kFloat8E5M2);
+      if ((a != b || c != d) && failures++ < 8) {
+        ADD_FAILURE() << "x " << x << " scale " << scale << ": e4m3 " << int{a} << " vs " << int{b}
+                      << ", e5m2 " << int{c} << " vs " << int{d};
+      }
+    }
+  }
+  EXPECT_EQ(failures, 0);
+}
+
+TEST(NumericsCrossCheck, DecodeBf16AndFp16AllPatterns) {
+  for (uint32_t b = 0; b < 0x10000u; ++b) {
+    const uint16_t u = static_cast<uint16_t>(b);
+    const float a = num::to_float(num::Bf16{u});
+    const float r = ref::bf16_to_float(u);
+    const float h = num::to_float(num::Half{u});
+    const float g = ref::fp16_to_float(u);
+    if (std::isnan(r)) {
+      ASSERT_TRUE(std::isnan(a)) << "bf16 0x" << std::hex << b;
+    } else {
+      ASSERT_EQ(a, r) << "bf16 0x" << std::hex << b;
+      ASSERT_EQ(std::signbit(a), std::signbit(r)) << "bf16 0x" << std::hex << b;
+    }
+    if (std::isnan(g)) {
+      ASSERT_TRUE(std::isnan(h)) << "fp16 0x" << std::hex << b;
+    } else {
+      ASSERT_EQ(h, g) << "fp16 0x" << std::hex << b;
+      ASSERT_EQ(std::signbit(h), std::signbit(g)) << "fp16 0x" << std::hex << b;
+    }
+  }
+}
+
+// The RoPE rotation is the float fma formula in both.
+TEST(NumericsCrossCheck, RopeRotate) {
+  std::mt19937_64 rng(7);
+  std::uniform_real_distribution<float> dist(-4.0f, 4.0f);
+  for (int i = 0; i < 100000; ++i) {
+    const float x = dist(rng), y = dist(rng), c = dist(rng) / 4, s = dist(rng) / 4;
+    float xo, yo;
+    num::rope_rotate(x, y, c, s, xo, yo);
+    ASSERT_EQ(xo, std::fma(x, c, -(y * s)));
+    ASSERT_EQ(yo, std::fma(y, c, x * s));
+  }
+}
+
+}  // namespace
+}  // namespace mlakv
