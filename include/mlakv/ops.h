@@ -43,6 +43,8 @@ const char* rope_style_name(RopeStyle style);
 //   copied, rope part rotated).
 // Td: num_decode_tokens_device (a device int32, clamped to [0, T] and counted) if given, else
 // num_decode_tokens (host, must be in [0, T]). With a device Td, decode tensors need T rows too.
+// A host Td > 0 requires q_out; q_pe / ql_nope / q_scale without q_out, or q_prefill_out without q,
+// are rejected. With a device Td and no q_out the decode rows get no Q work (K side only).
 struct MlaRopeCacheParams {
   int64_t num_tokens = 0;                           // T
   int64_t num_decode_tokens = 0;                    // Td (host)
