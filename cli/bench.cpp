@@ -1,0 +1,679 @@
+// mlakv CLI: `mlakv bench`. DeepSeek-V3 shapes; for every workload and token count: a correctness
+// check, then the fused op, the unfused primitives an engine runs today, and a copy of the same
+// bytes, timed on one backend.
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "commands.h"
+#include "mlakv/mlakv.h"
+#include "reference/reference.h"
+#include "timer.h"
+#include "util.h"
+
+namespace mlakv {
+namespace cli {
+namespace {
+
+// DeepSeek-V3 on one GPU without TP: 128 heads, kv_lora_rank 512, rope 64, nope 128.
+constexpr int64_t kH = 128;
+constexpr int64_t kL = 512;
+constexpr int64_t kR = 64;
+constexpr int64_t kP = 128;
+constexpr int64_t kBlockSize = 64;
+constexpr DType kModel = DType::kBFloat16;
+constexpr int64_t kModelBytes = 2;
+constexpr int64_t kIndexBytes = 8;  // int64 positions and slots
+// The DeepSeek-V3 YaRN table has 4096 * 40 positions; decode positions are spread over all of it.
+constexpr int64_t kMaxPos = 163840;
+constexpr float kFp8CacheScale = 0.0234375f;
+constexpr float kFp8QScale = 0.01953125f;
+constexpr int kMaxSets = 40;
+// The reference is a scalar host loop: check it against the fused op at small T only.
+constexpr int64_t kMaxReferenceTokens = 512;
+
+enum class Kind { kDecode, kPrefill, kMixed };
+
+struct Workload {
+  const char* name;
+  const char* description;
+  Kind kind;
+  CacheFormat cache_format;
+  DType q_out_dtype;
+  bool nope_in_q_out;  // the absorb GEMM already wrote ql_nope into q_out
+  std::vector<int64_t> cuda_tokens;
+  std::vector<int64_t> cpu_tokens;  // capped so that the whole CPU bench stays under 2 minutes
+};
+
+const std::vector<Workload>& all_workloads() {
+  static const std::vector<Workload> workloads = {
+      {"decode_bf16",
+       "decode, bf16 cache, bf16 q_out",
+       Kind::kDecode,
+       CacheFormat::kBFloat16,
+       DType::kBFloat16,
+       false,
+       {1, 8, 32, 128, 512, 2048, 8192},
+       {1, 8, 32, 128, 512, 2048}},
+      {"decode_fp8",
+       "decode, fp8 e4m3 cache, fp8 e4m3 q_out",
+       Kind::kDecode,
+       CacheFormat::kFloat8E4M3,
+       DType::kFloat8E4M3,
+       false,
+       {1, 8, 32, 128, 512, 2048, 8192},
+       {1, 8, 32, 128, 512, 2048}},
+      {"decode_nope_in_q_out",
+       "decode, bf16, ql_nope already in q_out",
+       Kind::kDecode,
+       CacheFormat::kBFloat16,
+       DType::kBFloat16,
+       true,
+       {1, 8, 32, 128, 512, 2048, 8192},
+       {1, 8, 32, 128, 512, 2048}},
+      {"prefill_bf16",
+       "prefill, bf16 cache, q rotated in place",
+       Kind::kPrefill,
+       CacheFormat::kBFloat16,
+       DType::kBFloat16,
+       false,
+       {128, 1024, 4096, 8192, 16384},
+       {128, 1024, 4096}},
+      {"mixed_bf16",
+       "half decode then half prefill, bf16",
+       Kind::kMixed,
+       CacheFormat::kBFloat16,
+       DType::kBFloat16,
+       false,
+       {128, 1024, 4096, 16384},
+       {128, 1024, 4096}},
+  };
+  return workloads;
+}
+
+int64_t decode_tokens(Kind kind, int64_t T) {
+  switch (kind) {
+    case Kind::kDecode:
+      return T;
+    case Kind::kPrefill:
+      return 0;
+    case Kind::kMixed:
+      return T / 2;
+  }
+  return 0;
+}
+
+// The fused op's minimal traffic: every input read once, every output written once. The cos/sin
+// rows (shared by all heads, mostly cache-resident) are not counted.
+int64_t fused_bytes(const Workload& w, int64_t T) {
+  const int64_t Td = decode_tokens(w.kind, T);
+  const int64_t q_out_bytes = static_cast<int64_t>(dtype_size(w.q_out_dtype));
+  const int64_t entry_bytes = cache_entry_bytes(w.cache_format, kL, kR);
+  // K side and indices, every token: kv_c + k_pe + position + slot read, one cache entry written.
+  int64_t bytes = T * ((kL + kR) * kModelBytes + 2 * kIndexBytes + entry_bytes);
+  // Decode Q side: q_pe read, rope part of q_out written; plus ql_nope read and the nope part of
+  // q_out written unless the nope part is already in place.
+  bytes += Td * kH * kR * (kModelBytes + q_out_bytes);
+  if (!w.nope_in_q_out) bytes += Td * kH * kL * (kModelBytes + q_out_bytes);
+  // Prefill Q side: the rope part of q read and written.
+  bytes += (T - Td) * kH * kR * kModelBytes * 2;
+  return bytes;
+}
+
+struct HostInputs {
+  std::vector<uint8_t> positions, slots, kv_c, k_pe, q_pe, ql_nope, q;
+};
+
+struct InputSet {
+  HostInputs host;  // kept for set 0 only (restore after the check, reference)
+  Buffer positions, slots, kv_c, k_pe, q_pe, ql_nope, q_out, q;
+};
+
+std::string row_label(const Workload& w, int64_t T) {
+  return std::string(w.name) + " T=" + std::to_string(T);
+}
+
+// First differing byte of two equal-size byte ranges, or -1.
+int64_t first_difference(const uint8_t* a, const uint8_t* b, size_t n) {
+  if (n == 0 || std::memcmp(a, b, n) == 0) return -1;
+  for (size_t i = 0; i < n; ++i) {
+    if (a[i] != b[i]) return static_cast<int64_t>(i);
+  }
+  return -1;
+}
+
+void expect_same(const std::string& label, const char* what, const char* versus,
+                 const std::vector<uint8_t>& got, const std::vector<uint8_t>& expected,
+                 size_t begin, size_t end) {
+  MLAKV_CHECK(got.size() >= end && expected.size() >= end, label, ": ", what,
+              ": buffer sizes differ");
+  const int64_t at = first_difference(got.data() + begin, expected.data() + begin, end - begin);
+  if (at >= 0) {
+    const size_t i = begin + static_cast<size_t>(at);
+    char buf[160];
+    std::snprintf(buf, sizeof(buf), "byte %zu of %zu: fused 0x%02x, %s 0x%02x", i, end, got[i],
+                  versus, expected[i]);
+    throw std::runtime_error(label + ": CORRECTNESS CHECK FAILED: " + what + " differs from " +
+                             versus + " at " + buf);
+  }
+}
+
+// The buffers, params and ops of one (workload, T) row.
+class Row {
+ public:
+  Row(const Workload& w, int64_t T, Timer& timer, const Buffer& table, const Buffer& cache_scale,
+      const Buffer& q_scale, const Buffer& error_counts, int workload_index)
+      : w_(w),
+        T_(T),
+        Td_(cli::decode_tokens(w.kind, T)),
+        device_(timer.device()),
+        timer_(timer),
+        table_(table),
+        cache_scale_(cache_scale),
+        q_scale_(q_scale),
+        error_counts_(error_counts) {
+    bytes_ = fused_bytes(w, T);
+    const size_t rotation = timer.rotation_bytes();
+    num_sets_ = static_cast<size_t>(bytes_) >= rotation
+                    ? 1
+                    : std::min<int>(kMaxSets, static_cast<int>((rotation + bytes_ - 1) / bytes_));
+    // Scattered slots over a cache twice as large as all sets' tokens together.
+    const int64_t min_slots = std::max<int64_t>(2 * T * num_sets_, 4 * kBlockSize);
+    num_blocks_ = (min_slots + kBlockSize - 1) / kBlockSize;
+    cache_ = Buffer(
+        device_, static_cast<size_t>(cache_bytes(w.cache_format, num_blocks_, kBlockSize, kL, kR)));
+    cache_.fill_byte(0);
+    Rng slot_rng(0x5eed0000u + 7919u * static_cast<uint64_t>(workload_index) +
+                 static_cast<uint64_t>(T));
+    const std::vector<int64_t> all_slots =
+        random_distinct_slots(T * num_sets_, num_blocks_ * kBlockSize, slot_rng);
+    for (int s = 0; s < num_sets_; ++s) {
+      Rng rng(0xbe4c0000u + 1000003u * static_cast<uint64_t>(workload_index) +
+              31u * static_cast<uint64_t>(T) + static_cast<uint64_t>(s));
+      std::vector<int64_t> slots(all_slots.begin() + s * T, all_slots.begin() + (s + 1) * T);
+      sets_.push_back(make_set(rng, slots, /*keep_host=*/s == 0));
+    }
+  }
+
+  int num_sets() const { return num_sets_; }
+  int64_t bytes() const { return bytes_; }
+  int64_t decode_tokens() const { return Td_; }
+
+  Op fused_op(int s) const {
+    const MlaRopeCacheParams params = fused_params(sets_[s]);
+    int32_t* counts = error_counts_.as<int32_t>();
+    return [params, counts](void* stream) {
+      Context ctx;
+      ctx.stream = stream;
+      ctx.error_counts = counts;
+      mla_rope_cache(params, ctx);
+    };
+  }
+
+  // What an engine runs today: rotary_embedding on q's rope part (decode: q_pe) and k_pe in place,
+  // concat_and_cache_mla, then the decode-query concat (or, with ql_nope already in q_out, a
+  // strided copy of the rotated q_pe into q_out, as torch's copy_ would do).
+  Op unfused_op(int s) const {
+    const InputSet& in = sets_[s];
+    RotaryEmbeddingParams rope;
+    rope.num_tokens = T_;
+    rope.positions = make_view(in.positions.data(), DType::kInt64, {T_}, device_);
+    rope.query = w_.kind == Kind::kDecode ? make_view(in.q_pe.data(), kModel, {T_, kH, kR}, device_)
+                                          : q_rope_view(in, T_);
+    rope.key = make_view(in.k_pe.data(), kModel, {T_, 1, kR}, device_);
+    rope.cos_sin_cache = table_view();
+    rope.rope_style = RopeStyle::kGptJ;
+
+    ConcatAndCacheMlaParams concat;
+    concat.num_tokens = T_;
+    concat.kv_c = make_view(in.kv_c.data(), kModel, {T_, kL}, device_);
+    concat.k_pe = make_view(in.k_pe.data(), kModel, {T_, kR}, device_);
+    concat.slot_mapping = make_view(in.slots.data(), DType::kInt64, {T_}, device_);
+    concat.kv_cache = cache_view();
+
+    const bool q_concat = Td_ > 0 && !w_.nope_in_q_out;
+    DecodeQConcatParams q_params;
+    if (q_concat) {
+      q_params.num_tokens = Td_;
+      q_params.ql_nope = make_view(in.ql_nope.data(), kModel, {Td_, kH, kL}, device_);
+      q_params.q_pe = decode_q_pe_view(in);
+      q_params.q_out = make_view(in.q_out.data(), w_.q_out_dtype, {Td_, kH, kL + kR}, device_);
+      if (is_float8(w_.q_out_dtype)) q_params.q_scale = q_scale_.as<float>();
+    }
+    Op q_copy;
+    if (Td_ > 0 && w_.nope_in_q_out) {
+      const size_t q_out_elem = dtype_size(w_.q_out_dtype);
+      q_copy = timer_.copy_2d_op(in.q_out.as<uint8_t>() + kL * q_out_elem, (kL + kR) * q_out_elem,
+                                 in.q_pe.data(), kR * kModelBytes, kR * kModelBytes,
+                                 static_cast<size_t>(Td_ * kH));
+    }
+    int32_t* counts = error_counts_.as<int32_t>();
+    return [rope, concat, q_concat, q_params, q_copy, counts](void* stream) {
+      Context ctx;
+      ctx.stream = stream;
+      ctx.error_counts = counts;
+      rotary_embedding(rope, ctx);
+      concat_and_cache_mla(concat, ctx);
+      if (q_concat) decode_q_concat(q_params, ctx);
+      if (q_copy) q_copy(stream);
+    };
+  }
+
+  // fused == unfused byte for byte on set 0 (cache, q_out, q), and fused == reference when asked.
+  void check(bool with_reference) {
+    const std::string label = row_label(w_, T_);
+    InputSet& in = sets_[0];
+    reset_error_counts(error_counts_.as<int32_t>(), device_);
+
+    poison_outputs(in);
+    fused_op(0)(nullptr);
+    device_synchronize(device_);
+    const std::vector<uint8_t> cache_fused = cache_.download();
+    const std::vector<uint8_t> q_out_fused = Td_ > 0 ? in.q_out.download() : std::vector<uint8_t>();
+    const std::vector<uint8_t> q_fused = has_q() ? in.q.download() : std::vector<uint8_t>();
+
+    restore_inputs(in);
+    poison_outputs(in);
+    unfused_op(0)(nullptr);
+    device_synchronize(device_);
+    expect_same(label, "cache", "unfused", cache_fused, cache_.download(), 0, cache_.bytes());
+    if (Td_ > 0) {
+      expect_same(label, "q_out", "unfused", q_out_fused, in.q_out.download(), 0,
+                  q_out_fused.size());
+    }
+    if (has_q()) {
+      // The unfused path also rotates the decode rows of q in place (the fused op reads them as
+      // q_pe): compare the prefill rows only.
+      const size_t row_bytes = static_cast<size_t>(kH * (kP + kR) * kModelBytes);
+      expect_same(label, "q (prefill rows)", "unfused", q_fused, in.q.download(),
+                  static_cast<size_t>(Td_) * row_bytes, static_cast<size_t>(T_) * row_bytes);
+    }
+    restore_inputs(in);
+
+    int32_t counts[kNumErrorCounters] = {};
+    read_error_counts(error_counts_.as<int32_t>(), device_, counts, nullptr,
+                      /*throw_if_nonzero=*/true);
+
+    if (!with_reference) return;
+    std::vector<uint8_t> cache_ref(cache_.bytes(), kPoisonByte);
+    std::vector<uint8_t> q_out_ref(Td_ > 0 ? in.q_out.bytes() : 0, kPoisonByte);
+    std::vector<uint8_t> q_ref = in.host.q;
+    std::vector<uint8_t> q_pe_ref = in.host.q_pe;
+    std::vector<uint8_t> k_pe_ref = in.host.k_pe;
+    const std::vector<uint8_t> table_host = table_.download();
+    const float cache_scale = kFp8CacheScale;
+    const float q_scale = kFp8QScale;
+    MlaRopeCacheParams p = fused_params(in);
+    const Device host{DeviceType::kCPU, 0};
+    auto rebase = [&](TensorView& v, void* data) {
+      if (!v.present()) return;
+      v.data = data;
+      v.device = host;
+    };
+    rebase(p.positions, in.host.positions.data());
+    rebase(p.slot_mapping, in.host.slots.data());
+    rebase(p.cos_sin_cache, const_cast<uint8_t*>(table_host.data()));
+    rebase(p.kv_c, in.host.kv_c.data());
+    rebase(p.k_pe, k_pe_ref.data());
+    rebase(p.ql_nope, in.host.ql_nope.data());
+    rebase(p.q_out, q_out_ref.data());
+    rebase(p.q, q_ref.data());
+    if (w_.kind == Kind::kMixed) {
+      rebase(p.q_pe, q_ref.data() + kP * kModelBytes);
+    } else {
+      rebase(p.q_pe, q_pe_ref.data());
+    }
+    p.kv_cache.data = cache_ref.data();
+    p.kv_cache.device = host;
+    if (p.kv_cache.scale != nullptr) p.kv_cache.scale = &cache_scale;
+    if (p.q_scale != nullptr) p.q_scale = &q_scale;
+    ref::mla_rope_cache(p);
+    expect_same(label, "cache", "reference", cache_fused, cache_ref, 0, cache_ref.size());
+    if (Td_ > 0)
+      expect_same(label, "q_out", "reference", q_out_fused, q_out_ref, 0, q_out_ref.size());
+    if (has_q()) expect_same(label, "q", "reference", q_fused, q_ref, 0, q_ref.size());
+  }
+
+ private:
+  static constexpr uint8_t kPoisonByte = 0xA5;
+
+  bool has_q() const { return w_.kind != Kind::kDecode; }
+
+  InputSet make_set(Rng& rng, const std::vector<int64_t>& slot_values, bool keep_host) {
+    InputSet in;
+    HostInputs host;
+    std::vector<int64_t> positions(static_cast<size_t>(T_));
+    for (auto& p : positions) p = rng.below(kMaxPos);
+    host.positions = index_bytes(positions, DType::kInt64);
+    host.slots = index_bytes(slot_values, DType::kInt64);
+    host.kv_c = random_values(kModel, T_ * kL, 2.0f, rng);
+    host.k_pe = random_values(kModel, T_ * kR, 2.0f, rng);
+    if (w_.kind == Kind::kDecode) host.q_pe = random_values(kModel, T_ * kH * kR, 2.0f, rng);
+    if (Td_ > 0 && !w_.nope_in_q_out) {
+      host.ql_nope = random_values(kModel, Td_ * kH * kL, 2.0f, rng);
+    }
+    if (has_q()) host.q = random_values(kModel, T_ * kH * (kP + kR), 2.0f, rng);
+
+    auto upload = [&](Buffer& b, const std::vector<uint8_t>& h) {
+      b = Buffer(device_, h.size());
+      b.upload(h);
+    };
+    upload(in.positions, host.positions);
+    upload(in.slots, host.slots);
+    upload(in.kv_c, host.kv_c);
+    upload(in.k_pe, host.k_pe);
+    if (!host.q_pe.empty()) upload(in.q_pe, host.q_pe);
+    if (!host.ql_nope.empty()) upload(in.ql_nope, host.ql_nope);
+    if (!host.q.empty()) upload(in.q, host.q);
+    if (Td_ > 0) {
+      in.q_out =
+          Buffer(device_, static_cast<size_t>(Td_ * kH * (kL + kR)) * dtype_size(w_.q_out_dtype));
+      in.q_out.fill_byte(0);
+    }
+    if (keep_host) in.host = std::move(host);
+    return in;
+  }
+
+  void poison_outputs(InputSet& in) {
+    cache_.fill_byte(kPoisonByte);
+    if (Td_ > 0) in.q_out.fill_byte(kPoisonByte);
+  }
+
+  void restore_inputs(InputSet& in) {
+    in.k_pe.upload(in.host.k_pe);
+    if (!in.host.q_pe.empty()) in.q_pe.upload(in.host.q_pe);
+    if (!in.host.q.empty()) in.q.upload(in.host.q);
+  }
+
+  TensorView table_view() const {
+    return make_view(table_.data(), DType::kFloat32, {kMaxPos, kR}, device_);
+  }
+
+  KVCacheView cache_view() const {
+    KVCacheView v =
+        make_cache_view(cache_.data(), w_.cache_format, num_blocks_, kBlockSize, kL, kR, device_);
+    if (cache_is_per_tensor_fp8(w_.cache_format)) v.scale = cache_scale_.as<float>();
+    return v;
+  }
+
+  // The rope part of q's first `rows` rows: [rows, H, R] with q's strides.
+  TensorView q_rope_view(const InputSet& in, int64_t rows) const {
+    return make_strided_view(in.q.as<uint8_t>() + kP * kModelBytes, kModel, {rows, kH, kR},
+                             {kH * (kP + kR), kP + kR, 1}, device_);
+  }
+
+  // Decode rows' q_pe: its own tensor (decode), or the rope part of q's first Td rows (mixed, as
+  // vLLM slices it out of q_b_proj's output).
+  TensorView decode_q_pe_view(const InputSet& in) const {
+    if (w_.kind == Kind::kMixed) return q_rope_view(in, Td_);
+    return make_view(in.q_pe.data(), kModel, {Td_, kH, kR}, device_);
+  }
+
+  MlaRopeCacheParams fused_params(const InputSet& in) const {
+    MlaRopeCacheParams p;
+    p.num_tokens = T_;
+    p.num_decode_tokens = Td_;
+    p.positions = make_view(in.positions.data(), DType::kInt64, {T_}, device_);
+    p.slot_mapping = make_view(in.slots.data(), DType::kInt64, {T_}, device_);
+    p.cos_sin_cache = table_view();
+    p.rope_style = RopeStyle::kGptJ;
+    p.kv_c = make_view(in.kv_c.data(), kModel, {T_, kL}, device_);
+    p.k_pe = make_view(in.k_pe.data(), kModel, {T_, kR}, device_);
+    p.kv_cache = cache_view();
+    if (Td_ > 0) {
+      p.q_pe = decode_q_pe_view(in);
+      if (!w_.nope_in_q_out) {
+        p.ql_nope = make_view(in.ql_nope.data(), kModel, {Td_, kH, kL}, device_);
+      }
+      p.q_out = make_view(in.q_out.data(), w_.q_out_dtype, {Td_, kH, kL + kR}, device_);
+      if (is_float8(w_.q_out_dtype)) p.q_scale = q_scale_.as<float>();
+    }
+    if (has_q()) p.q = make_view(in.q.data(), kModel, {T_, kH, kP + kR}, device_);
+    return p;
+  }
+
+  const Workload& w_;
+  int64_t T_;
+  int64_t Td_;
+  Device device_;
+  Timer& timer_;
+  const Buffer& table_;
+  const Buffer& cache_scale_;
+  const Buffer& q_scale_;
+  const Buffer& error_counts_;
+  int64_t bytes_ = 0;
+  int num_sets_ = 1;
+  int64_t num_blocks_ = 0;
+  Buffer cache_;
+  std::vector<InputSet> sets_;
+};
+
+nlohmann::json timing_json(const Timing& t) {
+  return {{"median_us", t.median_us},
+          {"p10_us", t.p10_us},
+          {"p90_us", t.p90_us},
+          {"samples", t.samples},
+          {"launches_per_sample", t.launches_per_sample}};
+}
+
+// Bandwidth of one large copy (bytes read + bytes written over the time).
+double copy_roofline_gbps(Timer& timer, size_t bytes) {
+  Buffer src(timer.device(), bytes);
+  Buffer dst(timer.device(), bytes);
+  src.fill_byte(1);
+  dst.fill_byte(0);
+  const Timing t = timer.time({timer.copy_op(dst.data(), src.data(), bytes)});
+  return 2.0 * static_cast<double>(bytes) / (t.median_us * 1e3);
+}
+
+class Progress {
+ public:
+  Progress() : enabled_(stderr_is_terminal()) {}
+  void show(const std::string& text) {
+    if (enabled_) std::fprintf(stderr, "\r\033[K%s", text.c_str());
+  }
+  void clear() {
+    if (enabled_) std::fprintf(stderr, "\r\033[K");
+  }
+
+ private:
+  bool enabled_;
+};
+
+}  // namespace
+
+int run_bench(const BenchOptions& options) {
+  std::string backend = options.backend;
+  if (backend == "auto") backend = cuda_available() ? "cuda" : "cpu";
+  std::unique_ptr<Timer> timer;
+  std::string device_text;
+  if (backend == "cuda") {
+#ifdef MLAKV_WITH_CUDA
+    MLAKV_CHECK(cuda_device_count() > 0, "bench: --backend cuda: no CUDA device is visible");
+    timer = make_cuda_timer(0, options.iters);
+    device_text = "cuda:0 " + cuda_device_description(0);
+#else
+    MLAKV_FAIL("bench: --backend cuda: mlakv was built without the CUDA backend");
+#endif
+  } else {
+    timer = make_cpu_timer(options.iters);
+    device_text = "cpu";
+  }
+  const bool on_cuda = backend == "cuda";
+  const Device device = timer->device();
+
+  std::vector<const Workload*> selected;
+  for (const Workload& w : all_workloads()) {
+    if (options.workloads.empty() || std::find(options.workloads.begin(), options.workloads.end(),
+                                               w.name) != options.workloads.end()) {
+      selected.push_back(&w);
+    }
+  }
+  for (const std::string& name : options.workloads) {
+    bool known = false;
+    for (const Workload& w : all_workloads()) known = known || name == w.name;
+    if (!known) {
+      std::string names;
+      for (const Workload& w : all_workloads()) names += std::string(" ") + w.name;
+      MLAKV_FAIL("bench: --workload: unknown workload '", name, "', expected one of:", names);
+    }
+  }
+
+  Progress progress;
+  progress.show("measuring copy bandwidth...");
+  const double roofline_gbps =
+      copy_roofline_gbps(*timer, on_cuda ? (size_t{1} << 30) : (size_t{256} << 20));
+  progress.clear();
+
+  // Shared by every row: the YaRN cos/sin table, the fp8 scales and the error counters.
+  Buffer table(device, static_cast<size_t>(kMaxPos * kR) * sizeof(float));
+  {
+    YarnRopeConfig yarn;
+    yarn.rotary_dim = kR;
+    std::vector<uint8_t> host(table.bytes());
+    round_table(yarn_cos_sin_table(yarn), DType::kFloat32, host.data());
+    MLAKV_CHECK(yarn.max_position() == kMaxPos, "bench: YaRN table has ", yarn.max_position(),
+                " positions, expected ", kMaxPos);
+    table.upload(host);
+  }
+  Buffer cache_scale(device, sizeof(float));
+  cache_scale.upload(&kFp8CacheScale, sizeof(float));
+  Buffer q_scale(device, sizeof(float));
+  q_scale.upload(&kFp8QScale, sizeof(float));
+  Buffer error_counts(device, kNumErrorCounters * sizeof(int32_t));
+  reset_error_counts(error_counts.as<int32_t>(), device);
+
+  std::printf("mlakv bench: %s\n", device_text.c_str());
+  std::printf(
+      "DeepSeek-V3: H %lld, L %lld, R %lld, P %lld, GPT-J RoPE (YaRN table, %lld "
+      "positions), bf16 model dtype, block size %lld, scattered slots\n",
+      static_cast<long long>(kH), static_cast<long long>(kL), static_cast<long long>(kR),
+      static_cast<long long>(kP), static_cast<long long>(kMaxPos),
+      static_cast<long long>(kBlockSize));
+  std::printf(
+      "copy roofline %.1f GB/s (one %s, read + write); bytes = the fused op's minimal traffic; "
+      "copy = a %s of bytes/2 (the same traffic), same rotation\n",
+      roofline_gbps, on_cuda ? "1 GiB cudaMemcpyAsync D2D" : "256 MiB memcpy over all threads",
+      on_cuda ? "D2D copy" : "memcpy");
+  std::printf("spread = p10-p90; speedup = unfused / fused time\n\n");
+  std::printf("%-21s %6s %10s %19s %10s %8s %6s %9s %10s %8s\n", "workload", "T", "fused_us",
+              "spread_us", "bytes", "GB/s", "%copy", "copy_us", "unfused_us", "speedup");
+  std::fflush(stdout);
+
+  nlohmann::json rows = nlohmann::json::array();
+  int total_rows = 0;
+  for (const Workload* w : selected) {
+    const auto& tokens =
+        !options.tokens.empty() ? options.tokens : (on_cuda ? w->cuda_tokens : w->cpu_tokens);
+    total_rows += static_cast<int>(tokens.size());
+  }
+  int row_index = 0;
+  for (const Workload* w : selected) {
+    const int workload_index = static_cast<int>(w - all_workloads().data());
+    const auto& tokens =
+        !options.tokens.empty() ? options.tokens : (on_cuda ? w->cuda_tokens : w->cpu_tokens);
+    bool reference_done = false;
+    for (const int64_t T : tokens) {
+      ++row_index;
+      const std::string prefix = "[" + std::to_string(row_index) + "/" +
+                                 std::to_string(total_rows) + "] " + row_label(*w, T) + ": ";
+      progress.show(prefix + "preparing inputs");
+      Row row(*w, T, *timer, table, cache_scale, q_scale, error_counts, workload_index);
+      std::string check = "skipped";
+      if (!options.skip_check) {
+        const bool with_reference = !reference_done && T <= kMaxReferenceTokens;
+        progress.show(prefix + (with_reference ? "checking (fused == unfused == reference)"
+                                               : "checking (fused == unfused)"));
+        row.check(with_reference);
+        reference_done = reference_done || with_reference;
+        check = with_reference ? "fused == unfused == reference" : "fused == unfused";
+      }
+      std::vector<Op> fused, unfused, copies;
+      for (int s = 0; s < row.num_sets(); ++s) {
+        fused.push_back(row.fused_op(s));
+        unfused.push_back(row.unfused_op(s));
+      }
+      // The copy moves the same traffic: bytes/2 read and bytes/2 written, rotated like the op.
+      const size_t half = static_cast<size_t>(row.bytes() / 2);
+      const size_t chunk = (half + 255) / 256 * 256;
+      Buffer copy_src(device, chunk * row.num_sets());
+      Buffer copy_dst(device, chunk * row.num_sets());
+      copy_src.fill_byte(1);
+      copy_dst.fill_byte(0);
+      for (int s = 0; s < row.num_sets(); ++s) {
+        copies.push_back(timer->copy_op(copy_dst.as<uint8_t>() + s * chunk,
+                                        copy_src.as<uint8_t>() + s * chunk, half));
+      }
+      // Fills and uploads ran on the legacy stream; the CUDA timer's stream does not wait for it.
+      device_synchronize(device);
+      progress.show(prefix + "timing fused");
+      const Timing t_fused = timer->time(fused);
+      progress.show(prefix + "timing unfused");
+      const Timing t_unfused = timer->time(unfused);
+      progress.show(prefix + "timing copy");
+      const Timing t_copy = timer->time(copies);
+      progress.clear();
+
+      const double gbps = static_cast<double>(row.bytes()) / (t_fused.median_us * 1e3);
+      const double copy_gbps = static_cast<double>(row.bytes()) / (t_copy.median_us * 1e3);
+      const double pct_copy = 100.0 * t_copy.median_us / t_fused.median_us;
+      const double speedup = t_unfused.median_us / t_fused.median_us;
+      const std::string spread = format_us(t_fused.p10_us) + "-" + format_us(t_fused.p90_us);
+      std::printf("%-21s %6lld %10s %19s %10s %8.1f %5.0f%% %9s %10s %7.2fx\n", w->name,
+                  static_cast<long long>(T), format_us(t_fused.median_us).c_str(), spread.c_str(),
+                  format_bytes(static_cast<double>(row.bytes())).c_str(), gbps, pct_copy,
+                  format_us(t_copy.median_us).c_str(), format_us(t_unfused.median_us).c_str(),
+                  speedup);
+      std::fflush(stdout);
+      rows.push_back({{"workload", w->name},
+                      {"description", w->description},
+                      {"T", T},
+                      {"Td", row.decode_tokens()},
+                      {"bytes", row.bytes()},
+                      {"input_sets", row.num_sets()},
+                      {"check", check},
+                      {"fused", timing_json(t_fused)},
+                      {"unfused", timing_json(t_unfused)},
+                      {"copy", timing_json(t_copy)},
+                      {"fused_gbps", gbps},
+                      {"copy_gbps", copy_gbps},
+                      {"pct_of_copy", pct_copy},
+                      {"speedup_vs_unfused", speedup}});
+    }
+  }
+
+  if (!options.json_path.empty()) {
+    nlohmann::json out = {{"backend", backend},
+                          {"device", device_text},
+                          {"mlakv_version", version()},
+                          {"build_info", build_info()},
+                          {"config",
+                           {{"H", kH},
+                            {"L", kL},
+                            {"R", kR},
+                            {"P", kP},
+                            {"block_size", kBlockSize},
+                            {"model_dtype", dtype_name(kModel)},
+                            {"rope_style", "gptj"},
+                            {"max_pos", kMaxPos},
+                            {"fp8_cache_scale", kFp8CacheScale},
+                            {"fp8_q_scale", kFp8QScale}}},
+                          {"copy_roofline_gbps", roofline_gbps},
+                          {"rows", rows}};
+    std::ofstream file(options.json_path);
+    MLAKV_CHECK(file.good(), "bench: --json: cannot open '", options.json_path, "' for writing");
+    file << out.dump(2) << "\n";
+    MLAKV_CHECK(file.good(), "bench: --json: writing '", options.json_path, "' failed");
+  }
+  return 0;
+}
+
+}  // namespace cli
+}  // namespace mlakv

@@ -1,0 +1,713 @@
+// mlakv CLI: `mlakv check`. A randomized differential test of the fused op: for every named model
+// config and seed, one random case (model dtype, cache format and layout, rope style, T, Td, block
+// size, padding rows and slots, out-of-range slots and positions, RMSNorm, optional outputs,
+// aliasing, device Td) is run by the host reference and by every backend; every byte of every
+// buffer (inputs included: they must stay untouched) must match the reference, and CUDA must match
+// the CPU. Values derived from RMSNorm may differ by one code (DESIGN.md: sum order).
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "commands.h"
+#include "mlakv/mlakv.h"
+#include "reference/reference.h"
+#include "util.h"
+
+namespace mlakv {
+namespace cli {
+namespace {
+
+constexpr uint8_t kPoisonByte = 0xA5;
+constexpr uint8_t kSentinelByte = 0x5C;
+
+struct ModelConfig {
+  const char* name;
+  int64_t H, L, R, P;
+};
+
+const std::vector<ModelConfig>& model_configs() {
+  static const std::vector<ModelConfig> configs = {
+      {"DeepSeek-V3 H128", 128, 512, 64, 128}, {"DeepSeek-V3 TP8 H16", 16, 512, 64, 128},
+      {"Kimi-K2 H64", 64, 512, 64, 128},       {"DeepSeek-V2-Lite H16", 16, 512, 64, 128},
+      {"MiniCPM3 L256 R32", 40, 256, 32, 64},
+  };
+  return configs;
+}
+
+const CacheFormat kAllFormats[] = {CacheFormat::kBFloat16,   CacheFormat::kFloat16,
+                                   CacheFormat::kFloat32,    CacheFormat::kFloat8E4M3,
+                                   CacheFormat::kFloat8E5M2, CacheFormat::kFloat8DsMla};
+
+// Every buffer a case may use. Views are built over these for the reference (host copies) and
+// for each backend (device copies) with identical geometry.
+enum BufferId : int {
+  kPositions,
+  kSlots,
+  kTable,
+  kKvC,  // kv_c, and k_pe too when they share one row ([kv_c | k_pe], as kv_a_proj writes them)
+  kKPe,
+  kNormWeight,
+  kCache,
+  kCacheRope,
+  kCacheScale,
+  kKPeOut,
+  kKvCOut,
+  kQPe,
+  kQlNope,
+  kQOut,
+  kQScale,
+  kQ,
+  kQPrefillOut,
+  kTdDevice,
+  kNumBuffers
+};
+
+const char* buffer_name(int id) {
+  static const char* names[kNumBuffers] = {
+      "positions",     "slot_mapping",   "cos_sin_cache", "kv_c",
+      "k_pe",          "kv_norm_weight", "kv_cache",      "kv_cache (rope part)",
+      "cache scale",   "k_pe_out",       "kv_c_out",      "q_pe",
+      "ql_nope",       "q_out",          "q_scale",       "q",
+      "q_prefill_out", "Td (device)"};
+  return names[id];
+}
+
+enum class Alias { kNone, kSeparate, kInPlace };
+
+struct Case {
+  const ModelConfig* model = nullptr;
+  uint64_t seed = 0;
+  int64_t H = 0, L = 0, R = 0, P = 0;
+  int64_t T = 0, Td = 0, pad_rows = 0;
+  DType model_dtype = DType::kBFloat16;
+  DType index_dtype = DType::kInt64;
+  DType table_dtype = DType::kFloat32;
+  int64_t max_pos = 0, table_row_stride = 0;
+  RopeStyle rope_style = RopeStyle::kGptJ;
+  CacheFormat format = CacheFormat::kBFloat16;
+  int64_t block_size = 0, num_blocks = 0;
+  bool split_cache = false;
+  int64_t token_pad_bytes = 0;  // extra bytes after every cache entry (combined layout)
+  bool cache_scale = false;     // per-tensor fp8 with a scale pointer
+  bool pow2 = false;
+  bool joint_kv = false;  // kv_c and k_pe in one [rows, L + R + 8] buffer
+  bool rms_norm = false;
+  Alias k_pe_out = Alias::kNone;
+  Alias kv_c_out = Alias::kNone;
+  bool decode_side = false;  // q_out present
+  DType q_out_dtype = DType::kBFloat16;
+  bool ql_nope = true;  // false: ql_nope absent, the nope part already in q_out
+  bool q_scale = false;
+  bool prefill_side = false;  // q present
+  bool q_prefill_out = false;
+  bool device_td = false;
+  int32_t device_td_value = 0;
+  std::vector<int64_t> positions, slots;  // T + pad_rows values each
+
+  int64_t rows() const { return T + pad_rows; }
+  // Rows of the decode tensors: Td (+ padding), or T with a device Td.
+  int64_t decode_rows() const { return (device_td ? T : Td) + pad_rows; }
+  size_t model_bytes() const { return dtype_size(model_dtype); }
+  int64_t kv_row() const { return joint_kv ? L + R + 8 : L; }
+
+  std::string describe() const {
+    std::ostringstream os;
+    os << "seed " << seed << ": T " << T << " Td " << (device_td ? "device " : "") << Td
+       << (device_td && device_td_value != Td ? "(given " + std::to_string(device_td_value) + ")"
+                                              : "")
+       << " pad " << pad_rows << " " << dtype_name(model_dtype) << " cache "
+       << cache_format_name(format) << (split_cache ? " split" : "") << " bs " << block_size
+       << " blocks " << num_blocks << (cache_scale ? " scaled" : "") << (pow2 ? " pow2" : "") << " "
+       << rope_style_name(rope_style) << " table " << dtype_name(table_dtype)
+       << (table_row_stride != R ? " strided" : "") << " idx " << dtype_name(index_dtype)
+       << (rms_norm ? " rmsnorm" : "") << (joint_kv ? " joint-kv" : "");
+    if (k_pe_out != Alias::kNone)
+      os << (k_pe_out == Alias::kInPlace ? " k_pe_out=k_pe" : " k_pe_out");
+    if (kv_c_out != Alias::kNone)
+      os << (kv_c_out == Alias::kInPlace ? " kv_c_out=kv_c" : " kv_c_out");
+    if (decode_side) {
+      os << " q_out " << dtype_name(q_out_dtype) << (ql_nope ? "" : " (nope in place)")
+         << (q_scale ? " q_scale" : "");
+    }
+    if (prefill_side) os << " q" << (q_prefill_out ? " -> q_prefill_out" : " in place");
+    return os.str();
+  }
+};
+
+Case make_case(const ModelConfig& model, uint64_t seed, int format_index) {
+  uint64_t name_hash = 1469598103934665603ull;  // FNV-1a: configs with equal shapes differ
+  for (const char* ch = model.name; *ch != '\0'; ++ch) {
+    name_hash = (name_hash ^ static_cast<uint8_t>(*ch)) * 1099511628211ull;
+  }
+  Rng rng(seed * 0x9e3779b97f4a7c15ull + static_cast<uint64_t>(format_index) * 7919u + name_hash);
+  Case c;
+  c.model = &model;
+  c.seed = seed;
+  c.H = model.H;
+  c.L = model.L;
+  c.R = model.R;
+  c.P = model.P;
+  c.format = kAllFormats[format_index];
+  const double dtype_roll = rng.uniform(0.0f, 1.0f);
+  c.model_dtype =
+      dtype_roll < 0.6 ? DType::kBFloat16 : (dtype_roll < 0.8 ? DType::kFloat16 : DType::kFloat32);
+  // fp8_ds_mla stores the rope part as bf16: it takes a bf16 model only.
+  if (c.format == CacheFormat::kFloat8DsMla) c.model_dtype = DType::kBFloat16;
+  c.T = rng.chance(0.15) ? rng.between(65, 300) : rng.between(1, 64);
+  c.pad_rows = rng.chance(0.5) ? rng.between(1, 4) : 0;
+  c.index_dtype = rng.chance(0.5) ? DType::kInt64 : DType::kInt32;
+  const double table_roll = rng.uniform(0.0f, 1.0f);
+  c.table_dtype =
+      table_roll < 0.7 ? DType::kFloat32 : (table_roll < 0.85 ? DType::kBFloat16 : DType::kFloat16);
+  c.max_pos = rng.between(c.T + 1, 4096);
+  c.table_row_stride = c.R + (rng.chance(0.2) ? 8 : 0);
+  c.rope_style = rng.chance(0.5) ? RopeStyle::kGptJ : RopeStyle::kNeox;
+  const int64_t block_sizes[] = {1, 2, 3, 16, 17, 64, 128};
+  c.block_size = block_sizes[rng.below(7)];
+  c.num_blocks = (c.T + c.T / 2 + c.block_size - 1) / c.block_size + rng.between(1, 3);
+  c.split_cache = c.format != CacheFormat::kFloat8DsMla && rng.chance(0.25);
+  c.token_pad_bytes = !c.split_cache && rng.chance(0.2) ? 32 : 0;
+  c.cache_scale = cache_is_per_tensor_fp8(c.format) && rng.chance(0.85);
+  c.pow2 = c.format == CacheFormat::kFloat8DsMla && rng.chance(0.5);
+  c.joint_kv = rng.chance(0.3);
+  c.rms_norm = rng.chance(0.5);
+  const Alias aliases[] = {Alias::kNone, Alias::kSeparate, Alias::kInPlace};
+  c.k_pe_out = aliases[rng.below(3)];
+  c.kv_c_out = aliases[rng.below(3)];
+
+  c.device_td = rng.chance(0.2);
+  const double td_roll = rng.uniform(0.0f, 1.0f);
+  c.Td = td_roll < 0.3 ? c.T : (td_roll < 0.45 ? 0 : rng.between(0, c.T));
+  c.device_td_value = static_cast<int32_t>(c.Td);
+  if (c.device_td && rng.chance(0.15)) {
+    // An out-of-range device Td is clamped to [0, T] and counted.
+    c.device_td_value = rng.chance(0.5) ? static_cast<int32_t>(c.T + 3) : -2;
+    c.Td = c.device_td_value < 0 ? 0 : c.T;
+  }
+  c.decode_side = c.device_td || c.Td > 0 || rng.chance(0.2);
+  if (c.decode_side) {
+    const double q_roll = rng.uniform(0.0f, 1.0f);
+    c.q_out_dtype =
+        q_roll < 0.65 ? c.model_dtype : (q_roll < 0.85 ? DType::kFloat8E4M3 : DType::kFloat8E5M2);
+    c.ql_nope = is_float8(c.q_out_dtype) || rng.chance(0.75);
+    c.q_scale = is_float8(c.q_out_dtype) && rng.chance(0.85);
+  }
+  c.prefill_side = c.device_td || c.Td < c.T || rng.chance(0.2);
+  if (c.prefill_side) c.q_prefill_out = rng.chance(0.4);
+
+  // Positions: random, a few outside [0, max_pos) (clamped and counted). Slots: distinct, a few
+  // padding (-1) and a few past the cache (skipped and counted); padding rows get wild values the
+  // op must never read.
+  const int64_t num_slots = c.num_blocks * c.block_size;
+  std::vector<int64_t> distinct = random_distinct_slots(c.T, num_slots, rng);
+  for (int64_t t = 0; t < c.rows(); ++t) {
+    if (t >= c.T) {
+      c.positions.push_back(-1000000 - t);
+      c.slots.push_back(num_slots * 100 + t);
+      continue;
+    }
+    int64_t pos = rng.below(c.max_pos);
+    if (rng.chance(0.03)) pos = rng.chance(0.5) ? -1 - rng.below(5) : c.max_pos + rng.below(5);
+    c.positions.push_back(pos);
+    int64_t slot = distinct[t];
+    if (rng.chance(0.08)) slot = -1;
+    if (rng.chance(0.04)) slot = num_slots + rng.below(100);
+    c.slots.push_back(slot);
+  }
+  return c;
+}
+
+// Bytes and initial contents of every buffer of a case (empty: not used).
+struct CaseBuffers {
+  std::array<std::vector<uint8_t>, kNumBuffers> data;
+};
+
+int64_t cache_entry_stride(const Case& c) {
+  if (c.split_cache) return c.L * static_cast<int64_t>(dtype_size(cache_latent_dtype(c.format)));
+  return cache_entry_bytes(c.format, c.L, c.R) + c.token_pad_bytes;
+}
+
+CaseBuffers initial_buffers(const Case& c) {
+  Rng rng(c.seed ^ 0xda7a5eedull);
+  CaseBuffers b;
+  const DType m = c.model_dtype;
+  const size_t mb = c.model_bytes();
+  b.data[kPositions] = index_bytes(c.positions, c.index_dtype);
+  b.data[kSlots] = index_bytes(c.slots, c.index_dtype);
+  {
+    const std::vector<uint8_t> table = rope_table_bytes(c.max_pos, c.R, c.table_dtype);
+    const size_t tb = dtype_size(c.table_dtype);
+    std::vector<uint8_t> strided =
+        random_values(c.table_dtype, c.max_pos * c.table_row_stride, 1.0f, rng);
+    for (int64_t p = 0; p < c.max_pos; ++p) {
+      std::memcpy(strided.data() + p * c.table_row_stride * tb, table.data() + p * c.R * tb,
+                  c.R * tb);
+    }
+    b.data[kTable] = std::move(strided);
+  }
+  b.data[kKvC] = random_values(m, c.rows() * c.kv_row(), 2.0f, rng);
+  if (!c.joint_kv) b.data[kKPe] = random_values(m, c.rows() * c.R, 2.0f, rng);
+  if (c.rms_norm) b.data[kNormWeight] = random_values(m, c.L, 1.5f, rng);
+  const int64_t entry_stride = cache_entry_stride(c);
+  b.data[kCache].assign(static_cast<size_t>(c.num_blocks * c.block_size * entry_stride),
+                        kSentinelByte);
+  if (c.split_cache) {
+    b.data[kCacheRope].assign(static_cast<size_t>(c.num_blocks * c.block_size * c.R) *
+                                  dtype_size(cache_rope_dtype(c.format)),
+                              kSentinelByte);
+  }
+  if (c.cache_scale) {
+    const float scale = rng.uniform(0.004f, 0.05f);
+    b.data[kCacheScale].resize(4);
+    std::memcpy(b.data[kCacheScale].data(), &scale, 4);
+  }
+  if (c.k_pe_out == Alias::kSeparate) b.data[kKPeOut].assign(c.rows() * c.R * mb, kPoisonByte);
+  if (c.kv_c_out == Alias::kSeparate) b.data[kKvCOut].assign(c.rows() * c.L * mb, kPoisonByte);
+  if (c.decode_side) {
+    const int64_t dr = c.decode_rows();
+    b.data[kQPe] = random_values(m, dr * c.H * c.R, 2.0f, rng);
+    if (c.ql_nope) b.data[kQlNope] = random_values(m, dr * c.H * c.L, 2.0f, rng);
+    // Without ql_nope the nope part is already in q_out (the absorb GEMM wrote it): random data
+    // the op must leave alone. Otherwise q_out is poisoned.
+    if (c.ql_nope) {
+      b.data[kQOut].assign(dr * c.H * (c.L + c.R) * dtype_size(c.q_out_dtype), kPoisonByte);
+    } else {
+      b.data[kQOut] = random_values(c.q_out_dtype, dr * c.H * (c.L + c.R), 2.0f, rng);
+    }
+    if (c.q_scale) {
+      const float scale = rng.uniform(0.004f, 0.05f);
+      b.data[kQScale].resize(4);
+      std::memcpy(b.data[kQScale].data(), &scale, 4);
+    }
+  }
+  if (c.prefill_side) {
+    b.data[kQ] = random_values(m, c.rows() * c.H * (c.P + c.R), 2.0f, rng);
+    if (c.q_prefill_out) {
+      b.data[kQPrefillOut].assign(c.rows() * c.H * (c.P + c.R) * mb, kPoisonByte);
+    }
+  }
+  // A decode side of zero rows (Td = 0, no padding) still gets a real, never-touched allocation.
+  for (int id : {kQPe, kQlNope, kQOut}) {
+    const bool used = c.decode_side && (id != kQlNope || c.ql_nope);
+    if (used && b.data[id].empty()) b.data[id].assign(64, kPoisonByte);
+  }
+  if (c.device_td) {
+    b.data[kTdDevice].resize(4);
+    std::memcpy(b.data[kTdDevice].data(), &c.device_td_value, 4);
+  }
+  return b;
+}
+
+// The op's params over one copy of the buffers (`base[id]`, on `device`).
+MlaRopeCacheParams build_params(const Case& c, const std::array<void*, kNumBuffers>& base,
+                                Device device) {
+  const DType m = c.model_dtype;
+  const int64_t rows = c.rows();
+  MlaRopeCacheParams p;
+  p.num_tokens = c.T;
+  p.num_decode_tokens = c.device_td ? 0 : c.Td;
+  if (c.device_td) p.num_decode_tokens_device = static_cast<const int32_t*>(base[kTdDevice]);
+  p.positions = make_view(base[kPositions], c.index_dtype, {rows}, device);
+  p.slot_mapping = make_view(base[kSlots], c.index_dtype, {rows}, device);
+  p.cos_sin_cache = make_strided_view(base[kTable], c.table_dtype, {c.max_pos, c.R},
+                                      {c.table_row_stride, 1}, device);
+  p.rope_style = c.rope_style;
+  if (c.joint_kv) {
+    p.kv_c = make_strided_view(base[kKvC], m, {rows, c.L}, {c.kv_row(), 1}, device);
+    p.k_pe = make_strided_view(static_cast<uint8_t*>(base[kKvC]) + c.L * c.model_bytes(), m,
+                               {rows, c.R}, {c.kv_row(), 1}, device);
+  } else {
+    p.kv_c = make_view(base[kKvC], m, {rows, c.L}, device);
+    p.k_pe = make_view(base[kKPe], m, {rows, c.R}, device);
+  }
+  if (c.rms_norm) {
+    p.kv_norm_weight = make_view(base[kNormWeight], m, {c.L}, device);
+    p.kv_norm_eps = 1e-6f;
+  }
+  if (c.split_cache) {
+    p.kv_cache = make_split_cache_view(base[kCache], base[kCacheRope], c.format, c.num_blocks,
+                                       c.block_size, c.L, c.R, device);
+  } else {
+    p.kv_cache =
+        make_cache_view(base[kCache], c.format, c.num_blocks, c.block_size, c.L, c.R, device);
+    p.kv_cache.stride_token_bytes = cache_entry_stride(c);
+    p.kv_cache.stride_block_bytes = cache_entry_stride(c) * c.block_size;
+  }
+  if (c.cache_scale) p.kv_cache.scale = static_cast<const float*>(base[kCacheScale]);
+  p.kv_cache.ds_mla_pow2_scale = c.pow2;
+  if (c.k_pe_out == Alias::kSeparate) p.k_pe_out = make_view(base[kKPeOut], m, {rows, c.R}, device);
+  if (c.k_pe_out == Alias::kInPlace) p.k_pe_out = p.k_pe;
+  if (c.kv_c_out == Alias::kSeparate) p.kv_c_out = make_view(base[kKvCOut], m, {rows, c.L}, device);
+  if (c.kv_c_out == Alias::kInPlace) p.kv_c_out = p.kv_c;
+  if (c.decode_side) {
+    const int64_t dr = c.decode_rows();
+    p.q_pe = make_view(base[kQPe], m, {dr, c.H, c.R}, device);
+    if (c.ql_nope) p.ql_nope = make_view(base[kQlNope], m, {dr, c.H, c.L}, device);
+    p.q_out = make_view(base[kQOut], c.q_out_dtype, {dr, c.H, c.L + c.R}, device);
+    if (c.q_scale) p.q_scale = static_cast<const float*>(base[kQScale]);
+  }
+  if (c.prefill_side) {
+    p.q = make_view(base[kQ], m, {rows, c.H, c.P + c.R}, device);
+    if (c.q_prefill_out) {
+      p.q_prefill_out = make_view(base[kQPrefillOut], m, {rows, c.H, c.P + c.R}, device);
+    }
+  }
+  return p;
+}
+
+// ---- comparison with RMSNorm tolerance -------------------------------------------------------
+
+// Sign-magnitude bits as an ordered integer: adjacent representable values differ by 1.
+int64_t ordered_code(const uint8_t* p, int elem_bytes) {
+  uint32_t bits = 0;
+  std::memcpy(&bits, p, static_cast<size_t>(elem_bytes));  // little-endian host
+  const uint32_t sign_bit = 1u << (8 * elem_bytes - 1);
+  const int64_t magnitude = static_cast<int64_t>(bits & (sign_bit - 1));
+  return (bits & sign_bit) ? -magnitude : magnitude;
+}
+
+// A byte range whose elements may differ by up to `codes` codes (RMSNorm-derived values).
+struct Tolerant {
+  size_t offset;
+  size_t count;  // elements
+  int elem_bytes;
+  int64_t codes;
+};
+// An fp8_ds_mla entry whose latent part came out of RMSNorm (tile scales may differ slightly).
+struct DsMlaTolerant {
+  size_t offset;
+};
+
+struct Tolerances {
+  std::array<std::vector<Tolerant>, kNumBuffers> ranges;
+  std::array<std::vector<DsMlaTolerant>, kNumBuffers> ds_mla;
+};
+
+float e4m3_value(uint8_t code) { return ref::fp8_to_float(code, DType::kFloat8E4M3); }
+
+// Two fp8_ds_mla latent parts (512 codes + 4 fp32 scales) of RMSNorm output: each tile's scale
+// within 2^-6 relative (or a factor 2 with power-of-two scales), each dequantized value within
+// one e4m3 step of the coarser scale.
+bool ds_mla_close(const uint8_t* got, const uint8_t* expected) {
+  for (int tile = 0; tile < kDsMlaNumTiles; ++tile) {
+    float sg = 0.0f, se = 0.0f;
+    std::memcpy(&sg, got + kDsMlaLatentDim + 4 * tile, 4);
+    std::memcpy(&se, expected + kDsMlaLatentDim + 4 * tile, 4);
+    if (!(sg > 0.0f && se > 0.0f)) return false;
+    const float ratio = sg > se ? sg / se : se / sg;
+    if (ratio > 1.0f + 1.0f / 64.0f && ratio != 2.0f) return false;
+    const float coarse = std::max(sg, se);
+    for (int i = 0; i < kDsMlaTileElems; ++i) {
+      const int64_t k = tile * kDsMlaTileElems + i;
+      const float a = e4m3_value(got[k]) * sg;
+      const float b = e4m3_value(expected[k]) * se;
+      const float mag = std::max(std::fabs(a), std::fabs(b)) / coarse;
+      // One e4m3 step at this magnitude (3 mantissa bits; subnormal step 2^-9), in value units.
+      const float step =
+          (mag < 0.015625f ? 0.001953125f : std::ldexp(1.0f, std::ilogb(mag) - 3)) * coarse;
+      if (std::fabs(a - b) > step * 1.0001f) return false;
+    }
+  }
+  return true;
+}
+
+struct Mismatch {
+  bool found = false;
+  std::string text;
+};
+
+Mismatch compare_buffer(int id, const std::vector<uint8_t>& got,
+                        const std::vector<uint8_t>& expected, const Tolerances& tol,
+                        const char* versus) {
+  Mismatch m;
+  if (got.size() != expected.size()) {
+    m.found = true;
+    m.text = std::string(buffer_name(id)) + ": size differs";
+    return m;
+  }
+  std::vector<uint8_t> mask;  // 1 = compared with tolerance below
+  if (!tol.ranges[id].empty() || !tol.ds_mla[id].empty()) mask.assign(got.size(), 0);
+  auto report = [&](size_t at, const std::string& detail) {
+    if (m.found) return;
+    m.found = true;
+    char buf[64];
+    std::snprintf(buf, sizeof(buf), " 0x%02x vs %s 0x%02x", got[at], versus, expected[at]);
+    m.text = std::string(buffer_name(id)) + ": byte " + std::to_string(at) + " of " +
+             std::to_string(got.size()) + ":" + buf + detail;
+  };
+  for (const Tolerant& r : tol.ranges[id]) {
+    for (size_t i = 0; i < r.count; ++i) {
+      const size_t at = r.offset + i * r.elem_bytes;
+      std::fill(mask.begin() + at, mask.begin() + at + r.elem_bytes, 1);
+      const int64_t d =
+          ordered_code(&got[at], r.elem_bytes) - ordered_code(&expected[at], r.elem_bytes);
+      if (std::llabs(d) > r.codes) {
+        report(at, " (" + std::to_string(d) + " codes, tolerance " + std::to_string(r.codes) + ")");
+      }
+    }
+  }
+  for (const DsMlaTolerant& e : tol.ds_mla[id]) {
+    const size_t n = kDsMlaLatentDim + 4 * kDsMlaNumTiles;
+    std::fill(mask.begin() + e.offset, mask.begin() + e.offset + n, 1);
+    if (std::memcmp(&got[e.offset], &expected[e.offset], n) != 0 &&
+        !ds_mla_close(&got[e.offset], &expected[e.offset])) {
+      size_t at = e.offset;
+      while (got[at] == expected[at]) ++at;
+      report(at, " (fp8_ds_mla RMSNorm entry beyond tolerance)");
+    }
+  }
+  if (mask.empty()) {
+    if (!got.empty() && std::memcmp(got.data(), expected.data(), got.size()) != 0) {
+      size_t at = 0;
+      while (got[at] == expected[at]) ++at;
+      report(at, "");
+    }
+  } else {
+    for (size_t i = 0; i < got.size() && !m.found; ++i) {
+      if (!mask[i] && got[i] != expected[i]) report(i, "");
+    }
+  }
+  return m;
+}
+
+int mantissa_bits(DType dtype) {
+  switch (dtype) {
+    case DType::kFloat32:
+      return 23;
+    case DType::kFloat16:
+      return 10;
+    case DType::kBFloat16:
+      return 7;
+    case DType::kFloat8E4M3:
+      return 3;
+    default:
+      return 2;
+  }
+}
+
+// The test suite's rule (tests/harness.cpp norm_tolerance_codes): one ulp of the model dtype (16
+// for float32, whose long sums drift further), expressed in codes of the storage dtype; one code
+// when the storage is coarser than the model dtype (fp8).
+int64_t norm_tolerance_codes(DType storage, DType model) {
+  const int64_t model_ulps = model == DType::kFloat32 ? 16 : 1;
+  const int shift = mantissa_bits(storage) - mantissa_bits(model);
+  if (shift > 0) return model_ulps << shift;
+  return storage == model ? model_ulps : 1;
+}
+
+// Where RMSNorm-derived values live: the latent part of written cache entries and kv_c_out.
+Tolerances rms_norm_tolerances(const Case& c, const MlaRopeCacheParams& host_params) {
+  Tolerances tol;
+  if (!c.rms_norm) return tol;
+  const KVCacheView& cache = host_params.kv_cache;
+  const int64_t num_slots = c.num_blocks * c.block_size;
+  const int latent_elem = static_cast<int>(dtype_size(cache_latent_dtype(c.format)));
+  for (int64_t t = 0; t < c.T; ++t) {
+    const int64_t slot = c.slots[t];
+    if (slot < 0 || slot >= num_slots) continue;
+    const size_t offset = static_cast<size_t>(ref::cache_latent_offset_bytes(cache, slot));
+    if (c.format == CacheFormat::kFloat8DsMla) {
+      tol.ds_mla[kCache].push_back({offset});
+    } else {
+      tol.ranges[kCache].push_back(
+          {offset, static_cast<size_t>(c.L), latent_elem,
+           norm_tolerance_codes(cache_latent_dtype(c.format), c.model_dtype)});
+    }
+  }
+  if (c.kv_c_out != Alias::kNone) {
+    const int id = c.kv_c_out == Alias::kSeparate ? kKvCOut : kKvC;
+    const size_t row_bytes =
+        static_cast<size_t>(c.kv_c_out == Alias::kSeparate ? c.L : c.kv_row()) * c.model_bytes();
+    for (int64_t t = 0; t < c.T; ++t) {
+      tol.ranges[id].push_back({static_cast<size_t>(t) * row_bytes, static_cast<size_t>(c.L),
+                                static_cast<int>(c.model_bytes()),
+                                norm_tolerance_codes(c.model_dtype, c.model_dtype)});
+    }
+  }
+  return tol;
+}
+
+struct BackendRun {
+  std::array<std::vector<uint8_t>, kNumBuffers> result;
+  std::array<int32_t, kNumErrorCounters> counts = {};
+};
+
+BackendRun run_backend(const Case& c, const CaseBuffers& initial, Device device) {
+  std::array<Buffer, kNumBuffers> buffers;
+  std::array<void*, kNumBuffers> base = {};
+  for (int id = 0; id < kNumBuffers; ++id) {
+    if (initial.data[id].empty()) continue;
+    buffers[id] = Buffer(device, initial.data[id].size());
+    buffers[id].upload(initial.data[id]);
+    base[id] = buffers[id].data();
+  }
+  Buffer counts(device, kNumErrorCounters * sizeof(int32_t));
+  reset_error_counts(counts.as<int32_t>(), device);
+  Context ctx;
+  ctx.error_counts = counts.as<int32_t>();
+  mla_rope_cache(build_params(c, base, device), ctx);
+  device_synchronize(device);
+  BackendRun run;
+  read_error_counts(counts.as<int32_t>(), device, run.counts.data());
+  for (int id = 0; id < kNumBuffers; ++id) {
+    if (!initial.data[id].empty()) {
+      run.result[id] = buffers[id].download();
+      run.result[id].resize(initial.data[id].size());
+    }
+  }
+  return run;
+}
+
+Mismatch compare_runs(const BackendRun& got, const BackendRun& expected, const Tolerances& tol,
+                      const char* versus) {
+  for (int id = 0; id < kNumBuffers; ++id) {
+    const Mismatch m = compare_buffer(id, got.result[id], expected.result[id], tol, versus);
+    if (m.found) return m;
+  }
+  for (int k = 0; k < kNumErrorCounters; ++k) {
+    if (got.counts[k] != expected.counts[k]) {
+      Mismatch m;
+      m.found = true;
+      m.text = std::string("error counter ") + error_counter_name(k) + ": " +
+               std::to_string(got.counts[k]) + " vs " + versus + " " +
+               std::to_string(expected.counts[k]);
+      return m;
+    }
+  }
+  return {};
+}
+
+struct Tally {
+  int cases = 0;
+  int failures = 0;
+};
+
+}  // namespace
+
+int run_check(const CheckOptions& options) {
+  std::vector<std::pair<std::string, Device>> backends;
+  const bool want_cpu = options.backend == "cpu" || options.backend == "all";
+  const bool want_cuda = options.backend == "cuda" || options.backend == "all";
+  if (want_cpu) backends.push_back({"cpu", Device{DeviceType::kCPU, 0}});
+  if (want_cuda) {
+    if (cuda_available()) {
+      backends.push_back({"cuda", Device{DeviceType::kCUDA, 0}});
+    } else if (options.backend == "cuda") {
+      std::fprintf(stderr, "mlakv check: --backend cuda: %s\n",
+                   cuda_backend_built() ? "no CUDA device is visible"
+                                        : "mlakv was built without the CUDA backend");
+      return 2;
+    } else {
+      std::printf("cuda: skipped (%s)\n",
+                  cuda_backend_built() ? "no CUDA device visible" : "CUDA backend not built");
+    }
+  }
+  const bool cross = backends.size() == 2;
+  std::printf("mlakv check: %d seeds per config, backends:", options.seeds);
+  for (const auto& b : backends) std::printf(" %s", b.first.c_str());
+  std::printf(" (vs host reference%s)\n", cross ? "; cuda also vs cpu" : "");
+  std::fflush(stdout);
+
+  const bool progress = stderr_is_terminal();
+  int total_cases = 0, total_failures = 0;
+  for (const ModelConfig& model : model_configs()) {
+    std::vector<Tally> tallies(backends.size());
+    Tally cross_tally;
+    std::vector<std::string> failures;
+    int formats_seen = 0;
+    for (int i = 0; i < options.seeds; ++i) {
+      const uint64_t seed = options.first_seed + static_cast<uint64_t>(i);
+      // Cycle through the cache formats (fp8_ds_mla only where L = 512, R = 64).
+      int format_index = i % 6;
+      if (format_index == 5 && (model.L != kDsMlaLatentDim || model.R != kDsMlaRopeDim)) {
+        format_index = static_cast<int>(seed % 5);
+      }
+      formats_seen |= 1 << format_index;
+      const Case c = make_case(model, seed, format_index);
+      if (progress) {
+        std::fprintf(stderr, "\r\033[K%s [%d/%d] %s", model.name, i + 1, options.seeds,
+                     c.describe().substr(0, 100).c_str());
+      }
+      const CaseBuffers initial = initial_buffers(c);
+
+      // The reference on host copies.
+      BackendRun reference;
+      std::array<void*, kNumBuffers> host_base = {};
+      for (int id = 0; id < kNumBuffers; ++id) {
+        reference.result[id] = initial.data[id];
+        host_base[id] = reference.result[id].empty() ? nullptr : reference.result[id].data();
+      }
+      const MlaRopeCacheParams host_params = build_params(c, host_base, Device{});
+      ref::mla_rope_cache(host_params, reference.counts.data());
+      const Tolerances tol = rms_norm_tolerances(c, host_params);
+
+      std::vector<BackendRun> runs;
+      for (size_t b = 0; b < backends.size(); ++b) {
+        Mismatch m;
+        try {
+          runs.push_back(run_backend(c, initial, backends[b].second));
+          m = compare_runs(runs.back(), reference, tol, "reference");
+        } catch (const Error& e) {
+          runs.emplace_back();
+          m.found = true;
+          m.text = std::string("threw: ") + e.what();
+        }
+        ++tallies[b].cases;
+        if (m.found) {
+          ++tallies[b].failures;
+          failures.push_back(backends[b].first + " vs reference: " + c.describe() + ": " + m.text);
+        }
+      }
+      if (cross && !runs[0].result[kKvC].empty() && !runs[1].result[kKvC].empty()) {
+        const Mismatch m = compare_runs(runs[1], runs[0], tol, "cpu");
+        ++cross_tally.cases;
+        if (m.found) {
+          ++cross_tally.failures;
+          failures.push_back("cuda vs cpu: " + c.describe() + ": " + m.text);
+        }
+      }
+      if (options.verbose) {
+        if (progress) std::fprintf(stderr, "\r\033[K");
+        std::printf("  %s: %s\n", c.describe().c_str(),
+                    failures.empty() ? "ok" : "MISMATCH (see below)");
+      }
+    }
+    if (progress) std::fprintf(stderr, "\r\033[K");
+
+    int formats = 0;
+    for (int f = 0; f < 6; ++f) formats += (formats_seen >> f) & 1;
+    std::printf("%-22s", model.name);
+    bool ok = true;
+    for (size_t b = 0; b < backends.size(); ++b) {
+      std::printf("  %s %d/%d ok", backends[b].first.c_str(),
+                  tallies[b].cases - tallies[b].failures, tallies[b].cases);
+      ok = ok && tallies[b].failures == 0;
+      total_cases += tallies[b].cases;
+      total_failures += tallies[b].failures;
+    }
+    if (cross) {
+      std::printf("  cuda==cpu %d/%d", cross_tally.cases - cross_tally.failures, cross_tally.cases);
+      ok = ok && cross_tally.failures == 0;
+      total_cases += cross_tally.cases;
+      total_failures += cross_tally.failures;
+    }
+    std::printf("  (%d cache formats)  %s\n", formats, ok ? "PASS" : "FAIL");
+    const size_t shown = std::min<size_t>(failures.size(), 5);
+    for (size_t k = 0; k < shown; ++k) std::printf("    MISMATCH %s\n", failures[k].c_str());
+    if (failures.size() > shown) {
+      std::printf("    ... and %zu more\n", failures.size() - shown);
+    }
+    std::fflush(stdout);
+  }
+  std::printf("summary: %d comparisons, %d mismatches: %s\n", total_cases, total_failures,
+              total_failures == 0 ? "PASS" : "FAIL");
+  return total_failures == 0 ? 0 : 1;
+}
+
+}  // namespace cli
+}  // namespace mlakv

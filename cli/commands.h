@@ -1,0 +1,35 @@
+// mlakv CLI: the three commands and their options.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace mlakv {
+namespace cli {
+
+// `mlakv info`: version, build options, backends and devices.
+int run_info();
+
+struct CheckOptions {
+  int seeds = 20;  // random cases per named config
+  uint64_t first_seed = 1;
+  std::string backend = "all";  // cpu | cuda | all
+  bool verbose = false;         // one line per case instead of per config
+};
+// `mlakv check`: randomized differential test of every backend against the reference.
+int run_check(const CheckOptions& options);
+
+struct BenchOptions {
+  std::string backend = "auto";        // auto | cpu | cuda
+  std::vector<std::string> workloads;  // empty: all
+  std::vector<int64_t> tokens;         // empty: each workload's default list
+  int iters = 0;                       // timed runs per measurement; 0: adaptive
+  std::string json_path;               // empty: no JSON
+  bool skip_check = false;             // skip the correctness check before timing
+};
+// `mlakv bench`: DeepSeek-V3 shapes, fused op vs unfused primitives vs a copy of the same bytes.
+int run_bench(const BenchOptions& options);
+
+}  // namespace cli
+}  // namespace mlakv

@@ -1,0 +1,71 @@
+// mlakv: the command-line tool. `mlakv info | check | bench`.
+#include <CLI/CLI.hpp>
+#include <cstdio>
+#include <exception>
+
+#include "commands.h"
+#include "mlakv/mlakv.h"
+
+int main(int argc, char** argv) {
+  using mlakv::cli::BenchOptions;
+  using mlakv::cli::CheckOptions;
+
+  CLI::App app{"mlakv: fused RoPE + paged KV-cache write for Multi-head Latent Attention"};
+  app.require_subcommand(1);
+  app.set_version_flag("--version", std::string(mlakv::version()));
+
+  CLI::App* info = app.add_subcommand("info", "Version, build options, backends and devices");
+
+  CheckOptions check_options;
+  CLI::App* check = app.add_subcommand(
+      "check",
+      "Differential test of every backend against the host reference (exit 1 on any "
+      "mismatch)");
+  check->add_option("--seeds", check_options.seeds, "Random cases per named config")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  check->add_option("--first-seed", check_options.first_seed, "Seed of the first case")
+      ->capture_default_str();
+  check->add_option("--backend", check_options.backend, "Backends to test")
+      ->check(CLI::IsMember({"cpu", "cuda", "all"}))
+      ->capture_default_str();
+  check->add_flag("-v,--verbose", check_options.verbose, "One line per case");
+
+  BenchOptions bench_options;
+  CLI::App* bench = app.add_subcommand(
+      "bench", "DeepSeek-V3 shapes: fused op vs unfused primitives vs a copy of the same bytes");
+  bench
+      ->add_option("--backend", bench_options.backend,
+                   "auto: CUDA if built and a GPU is visible, else CPU")
+      ->check(CLI::IsMember({"auto", "cpu", "cuda"}))
+      ->capture_default_str();
+  bench
+      ->add_option("--workload", bench_options.workloads,
+                   "Workloads (comma separated): decode_bf16, decode_fp8, decode_nope_in_q_out, "
+                   "prefill_bf16, mixed_bf16; default all")
+      ->delimiter(',');
+  bench->add_option("--tokens", bench_options.tokens, "Token counts T (comma separated)")
+      ->delimiter(',')
+      ->check(CLI::PositiveNumber);
+  bench->add_option("--iters", bench_options.iters, "Timed runs per measurement (0: adaptive)")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  bench->add_option("--json", bench_options.json_path, "Write every number to this JSON file");
+  bench->add_flag("--skip-check", bench_options.skip_check,
+                  "Skip the correctness check before timing");
+
+  CLI11_PARSE(app, argc, argv);
+
+  try {
+    if (info->parsed()) return mlakv::cli::run_info();
+    if (check->parsed()) return mlakv::cli::run_check(check_options);
+    if (bench->parsed()) return mlakv::cli::run_bench(bench_options);
+  } catch (const mlakv::Error& e) {
+    std::fprintf(stderr, "mlakv: error: %s\n", e.what());
+    return 2;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "mlakv: error: %s\n", e.what());
+    return 2;
+  }
+  return 0;
+}

@@ -1,0 +1,50 @@
+// mlakv CLI: how `mlakv bench` times an operation on a backend.
+#pragma once
+
+#include <cstddef>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "mlakv/tensor.h"
+
+namespace mlakv {
+namespace cli {
+
+// One launch of an operation on the given stream (a cudaStream_t on CUDA, nullptr on the CPU).
+using Op = std::function<void(void* stream)>;
+
+struct Timing {
+  double median_us = 0.0;
+  double p10_us = 0.0;
+  double p90_us = 0.0;
+  int samples = 0;  // timed measurements behind the statistics
+  int launches_per_sample = 1;
+};
+
+class Timer {
+ public:
+  virtual ~Timer() = default;
+  virtual Device device() const = 0;
+  // Time of ONE launch. `ops` holds the same operation over different input sets; the timer
+  // rotates among them so that the inputs of consecutive launches are not in cache.
+  virtual Timing time(const std::vector<Op>& ops) = 0;
+  // An op that copies `bytes` from src to dst on the device (memcpy / cudaMemcpyAsync D2D).
+  virtual Op copy_op(void* dst, const void* src, size_t bytes) = 0;
+  // An op that copies `rows` rows of `width_bytes` between pitched buffers (torch's strided copy_,
+  // cudaMemcpy2DAsync on CUDA).
+  virtual Op copy_2d_op(void* dst, size_t dst_pitch_bytes, const void* src, size_t src_pitch_bytes,
+                        size_t width_bytes, size_t rows) = 0;
+  // Input bytes beyond which rotation stops helping (a few times the last-level cache).
+  virtual size_t rotation_bytes() const = 0;
+};
+
+// `iters` timed samples per measurement; 0 picks a count that keeps each measurement ~0.1 s.
+std::unique_ptr<Timer> make_cpu_timer(int iters);
+#ifdef MLAKV_WITH_CUDA
+std::unique_ptr<Timer> make_cuda_timer(int device_index, int iters);
+#endif
+
+}  // namespace cli
+}  // namespace mlakv

@@ -1,0 +1,142 @@
+#!/usr/bin/env bash
+# The GPU run: build with CUDA, run the tests, the CUDA sanitizers, `mlakv check` and `mlakv bench`,
+# writing every log under $OUT and printing only short summaries (last, so that a tool that keeps
+# the tail of stdout keeps them). Meant for a machine without network: header-only dependencies
+# and googletest come from .deps/ (scripts/vendor_deps.sh).
+#
+#   scripts/gpu_run.sh [stage...]     stages: build test sanitize check bench python
+#                                     default: build test sanitize check bench
+#   One call that must finish in 10 minutes: run the stages in groups, e.g. `build`, then
+#   `test check`, then `sanitize`, then `bench` (the build folder stays between calls).
+#
+# Environment:
+#   OUT              results folder (default build-gpu/gpu-out)
+#   BUILD_DIR        build folder (default build-gpu)
+#   JOBS             build parallelism (default 16)
+#   SANITIZE_FILTER  gtest filter of the sanitizer runs (default: the CUDA-parameterized tests)
+#   STAGE_TIMEOUT    seconds per stage command before it is killed (default 540)
+#   WERROR           ON to build with -DMLAKV_WERROR=ON (default OFF: a ptxas spill warning must
+#                    not cost a whole GPU run; the summary counts warnings instead)
+set -uo pipefail
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$ROOT"
+BUILD_DIR=${BUILD_DIR:-$ROOT/build-gpu}
+OUT=${OUT:-$BUILD_DIR/gpu-out}
+JOBS=${JOBS:-16}
+SANITIZE_FILTER=${SANITIZE_FILTER:-*cuda*:*Cuda*:*CUDA*}
+STAGE_TIMEOUT=${STAGE_TIMEOUT:-540}
+WERROR=${WERROR:-OFF}
+mkdir -p "$OUT"
+if [[ -d /usr/local/cuda/bin ]]; then export PATH=/usr/local/cuda/bin:$PATH; fi
+
+stages=("$@")
+((${#stages[@]} == 0)) && stages=(build test sanitize check bench)
+
+SUMMARY=$OUT/summary.txt
+: >"$SUMMARY"
+note() { echo "$*" | tee -a "$SUMMARY"; }
+# run_logged NAME LOG COMMAND...: runs the command with a timeout, output to LOG; notes the status.
+run_logged() {
+  local name=$1 log=$2
+  shift 2
+  local start=$SECONDS
+  timeout --signal=TERM --kill-after=20 "$STAGE_TIMEOUT" "$@" >"$log" 2>&1
+  local rc=$?
+  local status="ok"
+  ((rc == 124 || rc == 137)) && status="TIMED OUT after ${STAGE_TIMEOUT}s"
+  ((rc != 0 && rc != 124 && rc != 137)) && status="FAILED (exit $rc)"
+  note "[$name] $status in $((SECONDS - start)) s -> $(basename "$log")"
+  return $rc
+}
+
+stage_build() {
+  {
+    nvidia-smi -L 2>&1 || true
+    nvcc --version 2>&1 | tail -2
+    cmake --version | head -1
+  } >"$OUT/machine.txt"
+  run_logged configure "$OUT/configure.log" \
+    cmake -S "$ROOT" -B "$BUILD_DIR" -DCMAKE_BUILD_TYPE=Release -DMLAKV_CUDA=ON \
+    -DMLAKV_DEPS_DIR="$ROOT/.deps" -DMLAKV_WERROR="$WERROR" || return 1
+  run_logged build "$OUT/build.log" cmake --build "$BUILD_DIR" -j"$JOBS" || {
+    grep -E "error|Error" "$OUT/build.log" | head -20 | tee -a "$SUMMARY"
+    return 1
+  }
+  note "  build.log: $(grep -c 'warning' "$OUT/build.log") warning lines," \
+    "$(grep -c 'spilled' "$OUT/build.log") register-spill lines"
+  "$BUILD_DIR/mlakv" info >"$OUT/info.txt" 2>&1
+  sed -n '/backends:/,$p' "$OUT/info.txt" | tee -a "$SUMMARY"
+}
+
+stage_test() {
+  run_logged ctest "$OUT/ctest.log" \
+    ctest --test-dir "$BUILD_DIR" --output-on-failure -j8 --timeout 300
+  local rc=$?
+  grep -E "tests passed|tests failed|Total Test time" "$OUT/ctest.log" | tee -a "$SUMMARY"
+  grep -E "^\s+[0-9]+ - .*\((Failed|Timeout|SEGFAULT|Subprocess)" "$OUT/ctest.log" | head -20 |
+    tee -a "$SUMMARY"
+  return $rc
+}
+
+stage_sanitize() {
+  local tool rc=0
+  for tool in memcheck racecheck; do
+    run_logged "compute-sanitizer $tool" "$OUT/$tool.log" \
+      compute-sanitizer --tool "$tool" --error-exitcode 1 --print-limit 20 \
+      "$BUILD_DIR/mlakv_tests" --gtest_filter="$SANITIZE_FILTER" --gtest_brief=1 || rc=1
+    grep -E "ERROR SUMMARY|RACECHECK SUMMARY|tests? (ran|PASSED|FAILED)|\[  (PASSED|FAILED)" \
+      "$OUT/$tool.log" | tail -4 | tee -a "$SUMMARY"
+  done
+  return $rc
+}
+
+stage_check() {
+  run_logged "mlakv check" "$OUT/check.txt" "$BUILD_DIR/mlakv" check --backend all
+  local rc=$?
+  grep -E "PASS|FAIL|MISMATCH|summary|skipped" "$OUT/check.txt" | tail -12 | tee -a "$SUMMARY"
+  return $rc
+}
+
+stage_bench() {
+  run_logged "mlakv bench" "$OUT/bench.txt" \
+    "$BUILD_DIR/mlakv" bench --json "$OUT/bench.json"
+  local rc=$?
+  cat "$OUT/bench.txt" >>"$SUMMARY"
+  return $rc
+}
+
+stage_python() {
+  if [[ ! -f scripts/test_python.sh ]]; then
+    note "[python] scripts/test_python.sh missing: skipped"
+    return 0
+  fi
+  MLAKV_PY_SYSTEM=1 MLAKV_PY_CUDA=1 CMAKE_BUILD_PARALLEL_LEVEL=$JOBS \
+    run_logged python "$OUT/python.log" bash scripts/test_python.sh
+  local rc=$?
+  tail -n 5 "$OUT/python.log" | tee -a "$SUMMARY"
+  return $rc
+}
+
+failed=()
+for stage in "${stages[@]}"; do
+  case "$stage" in
+    build | test | sanitize | check | bench | python) ;;
+    *)
+      echo "unknown stage '$stage' (build test sanitize check bench python)" >&2
+      exit 2
+      ;;
+  esac
+  echo "== $stage" >>"$SUMMARY"
+  "stage_$stage" >/dev/null || failed+=("$stage")
+  if [[ $stage == build && ${#failed[@]} -gt 0 ]]; then break; fi
+done
+
+echo
+echo "===== gpu_run summary (logs in $OUT) ====="
+cat "$SUMMARY"
+if ((${#failed[@]} > 0)); then
+  echo "FAILED stages: ${failed[*]}"
+  exit 1
+fi
+echo "all stages ok: ${stages[*]}"
