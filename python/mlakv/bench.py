@@ -1,0 +1,273 @@
+"""Benchmark of the decode step: fused op vs unfused primitives vs torch.compile vs a plain copy.
+
+    python -m mlakv.bench [--device cuda] [--config deepseek_v3_tp8] [--cache-format bf16]
+                          [--tokens 1,4,16,64,256,1024,4096] [--plot bench.png] [--json out.json]
+
+Every case does the decode-step work of one MLA layer for T tokens: RMSNorm of kv_c (unless
+--no-norm), RoPE of k_pe and of q_pe, the cache write at T random slots, and q_out's rope part:
+
+* fused:    one ``mla_rope_cache`` call; the absorb GEMM's output already lies in q_out.
+* unfused:  rms_norm + rotary_embedding + concat_and_cache_mla + decode_q_concat, as engines run
+            today (the concat copies the nope part again).
+* compile:  ``torch.compile`` of the same step written in plain PyTorch (raw and per-tensor fp8
+            caches; fp32 math without fma, so its bytes may differ in the last bit).
+* copy:     a device-to-device copy of the fused op's bytes (read + write), the roofline.
+
+"bytes" is what the fused op must move (inputs read, cache entries and q_out's rope part written);
+GB/s = bytes / time for every case, so the ratios compare times. On CUDA each timing replays a
+CUDA graph of ``--inner`` calls (launch overhead excluded, as in a captured decode step); on the
+CPU it loops. Median and spread (interquartile range, %) over ``--repeats`` timings.
+"""
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+import mlakv
+from mlakv import reference as ref
+from mlakv.cache import canonical_format, is_per_tensor_fp8
+
+CONFIGS = {
+    "deepseek_v3": dict(H=128, L=512, R=64),
+    "deepseek_v3_tp8": dict(H=16, L=512, R=64),
+    "kimi_k2": dict(H=64, L=512, R=64),
+    "deepseek_v2_lite": dict(H=16, L=512, R=64),
+    "minicpm3": dict(H=40, L=256, R=32),
+}
+
+
+class Step:
+    """Tensors of one decode step of T tokens."""
+
+    def __init__(self, T, H, L, R, fmt, dtype, device, norm, seed=0):
+        g = torch.Generator().manual_seed(seed)
+        self.T, self.H, self.L, self.R, self.fmt, self.norm = T, H, L, R, fmt, norm
+        block_size = 64
+        num_blocks = max(4, (2 * T + block_size - 1) // block_size)
+        rnd = lambda *s: torch.randn(*s, generator=g).to(dtype).to(device)
+        self.positions = torch.randint(0, 4096, (T,), generator=g).to(device)
+        self.slots = torch.randperm(num_blocks * block_size, generator=g)[:T].to(device)
+        self.table = mlakv.yarn_cos_sin_cache(R, max_position=4096, device=device)
+        self.kv_c, self.k_pe = rnd(T, L), rnd(T, R)
+        self.weight = (1 + 0.1 * torch.randn(L, generator=g)).to(dtype).to(device)
+        self.q_pe = rnd(T, H, R)
+        self.q_out = rnd(T, H, L + R)
+        self.cache = mlakv.allocate_cache(num_blocks, block_size, L, R, fmt, device=device)
+        self.scale = (torch.tensor([0.05], device=device) if is_per_tensor_fp8(fmt) else None)
+        # Unfused scratch.
+        self.ql_nope = rnd(T, H, L)
+        self.kv_normed = torch.empty_like(self.kv_c)
+        self.k_rot, self.q_rot = self.k_pe.clone(), self.q_pe.clone()
+        elem = self.kv_c.element_size()
+        entry = mlakv.cache_entry_bytes(fmt, L, R)
+        index = self.positions.element_size() + self.slots.element_size()
+        self.bytes = T * ((L + R + H * R) * elem + H * R * elem + entry + index
+                          + R * self.table.element_size())
+        if norm:
+            self.bytes += L * elem
+
+    def fused(self):
+        mlakv.mla_rope_cache(self.positions, self.slots, self.table, self.kv_c, self.k_pe,
+                             self.cache, cache_format=self.fmt, kv_cache_scale=self.scale,
+                             kv_norm_weight=self.weight if self.norm else None, q_pe=self.q_pe,
+                             q_out=self.q_out, num_decode_tokens=self.T)
+
+    def unfused(self):
+        kv_c = self.kv_c
+        if self.norm:
+            kv_c = mlakv.rms_norm(self.kv_c, self.weight, out=self.kv_normed)
+        self.k_rot.copy_(self.k_pe)
+        self.q_rot.copy_(self.q_pe)
+        mlakv.rotary_embedding(self.positions, self.q_rot, self.k_rot.view(self.T, 1, self.R),
+                               self.table)
+        mlakv.concat_and_cache_mla(kv_c, self.k_rot, self.cache, self.slots,
+                                   cache_format=self.fmt, kv_cache_scale=self.scale)
+        mlakv.decode_q_concat(self.ql_nope, self.q_rot, self.q_out)
+
+    def torch_step(self):
+        """The plain-PyTorch step that torch.compile is timed on."""
+        kv_c = self.kv_c
+        if self.norm:
+            x = kv_c.float()
+            kv_c = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+                    * self.weight.float()).to(kv_c.dtype)
+        cache = self.cache.view(mlakv.cache_latent_dtype(self.fmt))
+        ref.torch_mla_rope_cache_decode(self.positions, self.slots, self.table, kv_c, self.k_pe,
+                                        cache, self.q_pe, self.q_out, kv_cache_scale=self.scale)
+
+
+def _timeit(fn, device, inner, repeats):
+    """Median and IQR spread (%) of the time of one call, in microseconds."""
+    if device == "cuda":
+        fn()
+        torch.cuda.synchronize()
+        graph = None
+        try:
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                fn()
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                for _ in range(inner):
+                    fn()
+        except Exception:  # a path that cannot be captured: time eager launches instead
+            graph = None
+        run = graph.replay if graph is not None else (lambda: [fn() for _ in range(inner)])
+        run()
+        times = []
+        for _ in range(repeats):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            run()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) * 1e3 / inner)
+    else:
+        fn()
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            for _ in range(inner):
+                fn()
+            times.append((time.perf_counter() - t0) * 1e6 / inner)
+    times.sort()
+    med = statistics.median(times)
+    q1, q3 = times[len(times) // 4], times[(3 * len(times)) // 4]
+    return med, 100.0 * (q3 - q1) / med if med > 0 else 0.0
+
+
+def copy_bandwidth(device, nbytes):
+    src = torch.empty(nbytes // 2, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    us, _ = _timeit(lambda: dst.copy_(src), device, inner=5, repeats=5)
+    return nbytes / (us * 1e-6) / 1e9
+
+
+def run(args):
+    device = args.device
+    cfg = CONFIGS[args.config]
+    fmt = canonical_format(args.cache_format)
+    dtype = getattr(torch, args.dtype)
+    tokens = [int(t) for t in args.tokens.split(",")]
+    peak = copy_bandwidth(device, args.peak_bytes)
+    rows = []
+    compiled_ok = fmt != "fp8_ds_mla" and not args.no_compile
+    for T in tokens:
+        step = Step(T, cfg["H"], cfg["L"], cfg["R"], fmt, dtype, device, not args.no_norm)
+        row = {"T": T, "bytes": step.bytes}
+        row["fused_us"], row["fused_spread"] = _timeit(step.fused, device, args.inner,
+                                                       args.repeats)
+        row["unfused_us"], row["unfused_spread"] = _timeit(step.unfused, device, args.inner,
+                                                           args.repeats)
+        if compiled_ok:
+            torch._dynamo.reset()
+            compiled = torch.compile(step.torch_step, dynamic=False)
+            row["compile_us"], row["compile_spread"] = _timeit(compiled, device, args.inner,
+                                                               args.repeats)
+        src = torch.empty(step.bytes // 2, dtype=torch.uint8, device=device)
+        dst = torch.empty_like(src)
+        row["copy_us"], row["copy_spread"] = _timeit(lambda: dst.copy_(src), device, args.inner,
+                                                     args.repeats)
+        for k in ("fused", "unfused", "compile", "copy"):
+            if f"{k}_us" in row:
+                row[f"{k}_gbps"] = step.bytes / (row[f"{k}_us"] * 1e-6) / 1e9
+        rows.append(row)
+        print_row(row, peak, header=len(rows) == 1, args=args, fmt=fmt)
+    return {"device": _device_name(device), "config": args.config, "cache_format": fmt,
+            "dtype": args.dtype, "norm": not args.no_norm, "copy_peak_gbps": peak, "rows": rows}
+
+
+def _device_name(device):
+    if device == "cuda":
+        return torch.cuda.get_device_name()
+    return f"cpu ({torch.get_num_threads()} threads)"
+
+
+def print_row(row, peak, header, args, fmt):
+    cols = ("T", "fused us", "+-%", "unfused us", "compile us", "copy us", "bytes", "fused GB/s",
+            "% copy peak", "unfused/fused", "compile/fused")
+    widths = (6, 10, 5, 11, 11, 9, 11, 11, 12, 14, 14)
+    if header:
+        print(f"# mlakv decode step: {args.config}, cache {fmt}, {args.dtype}, "
+              f"norm {'off' if args.no_norm else 'on'}, {_device_name(args.device)}; "
+              f"copy peak {peak:.0f} GB/s")
+        print(" ".join(c.rjust(w) for c, w in zip(cols, widths)))
+    comp = row.get("compile_us")
+    vals = (str(row["T"]), f"{row['fused_us']:.2f}", f"{row['fused_spread']:.0f}",
+            f"{row['unfused_us']:.2f}", f"{comp:.2f}" if comp else "n/a",
+            f"{row['copy_us']:.2f}", str(row["bytes"]), f"{row['fused_gbps']:.1f}",
+            f"{100 * row['fused_gbps'] / peak:.1f}",
+            f"{row['unfused_us'] / row['fused_us']:.2f}",
+            f"{comp / row['fused_us']:.2f}" if comp else "n/a")
+    print(" ".join(v.rjust(w) for v, w in zip(vals, widths)), flush=True)
+
+
+def plot(result, path):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot written")
+        return
+    rows = result["rows"]
+    T = [r["T"] for r in rows]
+    fig, (ax_us, ax_bw) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for key, label in (("fused", "mlakv fused"), ("unfused", "unfused primitives"),
+                       ("compile", "torch.compile"), ("copy", "copy of the same bytes")):
+        if f"{key}_us" not in rows[0]:
+            continue
+        ax_us.plot(T, [r[f"{key}_us"] for r in rows], marker="o", label=label)
+        ax_bw.plot(T, [r[f"{key}_gbps"] for r in rows], marker="o", label=label)
+    ax_bw.axhline(result["copy_peak_gbps"], color="gray", linestyle="--", label="copy peak")
+    for ax, ylabel in ((ax_us, "time per step (us)"), (ax_bw, "GB/s (fused op's bytes)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("tokens T")
+        ax.set_ylabel(ylabel)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+    ax_us.set_yscale("log")
+    fig.suptitle(f"mlakv decode step, {result['config']}, cache {result['cache_format']}, "
+                 f"{result['device']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"plot written to {path}")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--config", default="deepseek_v3_tp8", choices=sorted(CONFIGS))
+    p.add_argument("--cache-format", default="bf16")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--tokens", default=None, help="comma-separated T values")
+    p.add_argument("--no-norm", action="store_true", help="leave kv_a_layernorm out")
+    p.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
+    p.add_argument("--inner", type=int, default=None, help="calls per timing")
+    p.add_argument("--repeats", type=int, default=None, help="timings per case")
+    p.add_argument("--peak-bytes", type=int, default=None, help="bytes of the peak-copy probe")
+    p.add_argument("--plot", default="mlakv_bench.png", help="PNG path ('' for none)")
+    p.add_argument("--json", default="", help="write the results as JSON here")
+    args = p.parse_args(argv)
+    gpu = args.device == "cuda"
+    if args.tokens is None:
+        args.tokens = "1,4,16,64,256,1024,4096,16384" if gpu else "1,4,16,64,256"
+    args.inner = args.inner or (20 if gpu else 5)
+    args.repeats = args.repeats or (15 if gpu else 5)
+    args.peak_bytes = args.peak_bytes or ((1 << 30) if gpu else (64 << 20))
+    result = run(args)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    if args.plot:
+        plot(result, args.plot)
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,134 @@
+"""Paged MLA cache formats, allocation helpers and the device error counters.
+
+A cache is a tensor ``[num_blocks, block_size, entry]``: token ``slot`` lives in block
+``slot // block_size`` at offset ``slot % block_size``. Every format can be held as a ``uint8``
+byte tensor (``entry = cache_entry_bytes(format, L, R)``); the raw and per-tensor fp8 formats can
+also be held as a tensor of their own element type (``entry = L + R``).
+
+Formats (DESIGN.md):
+
+* ``bf16`` / ``fp16`` / ``fp32``: ``L + R`` values, latent ``kv_c`` then the rotated ``k_pe``.
+* ``fp8_e4m3`` / ``fp8_e5m2``: ``L + R`` fp8 values, ``value = byte * scale`` with one per-tensor
+  fp32 scale in device memory (absent means 1.0).
+* ``fp8_ds_mla`` (FlashMLA's sparse format, L = 512, R = 64 only): 656 bytes: 512 e4m3 values in
+  four tiles of 128, four fp32 tile scales, then 64 bf16 rope values.
+"""
+
+from typing import Dict, Optional
+
+import torch
+
+CACHE_FORMATS = ("bf16", "fp16", "fp32", "fp8_e4m3", "fp8_e5m2", "fp8_ds_mla")
+
+DS_MLA_LATENT_DIM = 512
+DS_MLA_ROPE_DIM = 64
+DS_MLA_TILE = 128
+DS_MLA_NUM_TILES = 4
+DS_MLA_ENTRY_BYTES = 656
+
+_LATENT_DTYPE = {
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+    "fp32": torch.float32,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+    "fp8_ds_mla": torch.float8_e4m3fn,
+}
+
+_FORMAT_OF_DTYPE = {
+    torch.bfloat16: "bf16",
+    torch.float16: "fp16",
+    torch.float32: "fp32",
+    torch.float8_e4m3fn: "fp8_e4m3",
+    torch.float8_e5m2: "fp8_e5m2",
+}
+
+# Names of the int32 counters an op increments instead of failing on a device (context.h).
+ERROR_COUNTER_NAMES = ("bad_slot", "bad_position", "bad_decode_count", "bad_block_index")
+
+
+def canonical_format(cache_format: str, kv_cache: Optional[torch.Tensor] = None) -> str:
+    """The mlakv name of a format: ``"fp8"`` is ``fp8_e4m3``; ``"auto"`` takes a typed cache's."""
+    if cache_format == "fp8":
+        return "fp8_e4m3"
+    if cache_format == "auto":
+        if kv_cache is None or kv_cache.dtype not in _FORMAT_OF_DTYPE:
+            raise ValueError("cache_format 'auto' needs a typed cache tensor (bfloat16, float16, "
+                             "float32, float8_e4m3fn, float8_e5m2); a uint8 cache needs a format")
+        return _FORMAT_OF_DTYPE[kv_cache.dtype]
+    if cache_format not in CACHE_FORMATS:
+        raise ValueError(f"cache_format: expected one of {CACHE_FORMATS}, 'fp8' or 'auto', "
+                         f"got {cache_format!r}")
+    return cache_format
+
+
+def cache_latent_dtype(cache_format: str) -> torch.dtype:
+    """Element type of the latent part (fp8_ds_mla: float8_e4m3fn)."""
+    return _LATENT_DTYPE[canonical_format(cache_format)]
+
+
+def cache_rope_dtype(cache_format: str) -> torch.dtype:
+    """Element type of the rope part (fp8_ds_mla: bfloat16)."""
+    fmt = canonical_format(cache_format)
+    return torch.bfloat16 if fmt == "fp8_ds_mla" else _LATENT_DTYPE[fmt]
+
+
+def is_per_tensor_fp8(cache_format: str) -> bool:
+    return canonical_format(cache_format) in ("fp8_e4m3", "fp8_e5m2")
+
+
+def cache_entry_bytes(cache_format: str, kv_lora_rank: int, rope_dim: int) -> int:
+    """Bytes of one token's entry (latent then rope)."""
+    fmt = canonical_format(cache_format)
+    if fmt == "fp8_ds_mla":
+        if (kv_lora_rank, rope_dim) != (DS_MLA_LATENT_DIM, DS_MLA_ROPE_DIM):
+            raise ValueError(f"fp8_ds_mla needs L = {DS_MLA_LATENT_DIM} and R = "
+                             f"{DS_MLA_ROPE_DIM}, got L = {kv_lora_rank}, R = {rope_dim}")
+        return DS_MLA_ENTRY_BYTES
+    return (kv_lora_rank + rope_dim) * _LATENT_DTYPE[fmt].itemsize
+
+
+def allocate_cache(num_blocks: int, block_size: int, kv_lora_rank: int, rope_dim: int,
+                   cache_format: str = "bf16", device="cpu", typed: bool = False,
+                   fill: Optional[int] = None) -> torch.Tensor:
+    """A combined paged cache ``[num_blocks, block_size, entry]``.
+
+    ``typed=False`` gives a ``uint8`` tensor of ``cache_entry_bytes`` bytes per entry (every
+    format); ``typed=True`` a tensor of the format's element type with ``L + R`` values per entry
+    (raw and per-tensor fp8 formats). ``fill`` sets every byte (a sentinel for tests); else the
+    memory is zeroed.
+    """
+    fmt = canonical_format(cache_format)
+    entry = cache_entry_bytes(fmt, kv_lora_rank, rope_dim)
+    cache = torch.zeros((num_blocks, block_size, entry), dtype=torch.uint8, device=device)
+    if fill is not None:
+        cache.fill_(fill)
+    if typed:
+        if fmt == "fp8_ds_mla":
+            raise ValueError("an fp8_ds_mla cache is a uint8 byte tensor only")
+        cache = cache.view(_LATENT_DTYPE[fmt])
+    return cache
+
+
+def cache_latent_width(kv_cache: torch.Tensor, cache_format: str, kv_lora_rank: int,
+                       kv_cache_rope: Optional[torch.Tensor] = None) -> int:
+    """L + R of a cache tensor: the width of one gathered row."""
+    fmt = canonical_format(cache_format, kv_cache)
+    if fmt == "fp8_ds_mla":
+        return DS_MLA_LATENT_DIM + DS_MLA_ROPE_DIM
+    elem = _LATENT_DTYPE[fmt].itemsize
+    width = kv_cache.shape[2] * kv_cache.element_size() // elem
+    if kv_cache_rope is not None:
+        width = width + kv_cache_rope.shape[2] * kv_cache_rope.element_size() // elem
+    return width
+
+
+def new_error_counts(device="cpu") -> torch.Tensor:
+    """Zeroed int32 error counters for the ``error_counts`` argument of the ops."""
+    return torch.zeros(len(ERROR_COUNTER_NAMES), dtype=torch.int32, device=device)
+
+
+def read_error_counts(error_counts: torch.Tensor) -> Dict[str, int]:
+    """The counters as a dict (copies to the host: synchronizes a CUDA stream)."""
+    values = error_counts.cpu().tolist()
+    return {name: int(v) for name, v in zip(ERROR_COUNTER_NAMES, values)}

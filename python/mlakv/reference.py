@@ -1,0 +1,400 @@
+"""A pure-PyTorch reference of every mlakv op, written from DESIGN.md, not from the C++ code.
+
+The functions take the same arguments as the wrappers in ``mlakv.ops`` and write their outputs the
+same way (in place), so a test runs both on cloned inputs and compares. Math follows the contract:
+
+* RoPE in fp32 with fma semantics: ``x' = fma(x, c, -(y*s))``, ``y' = fma(y, c, x*s)``, rounded
+  once to the output dtype. The fma is emulated exactly in float64 (see ``fma_f32``).
+* RMSNorm: the sum of squares is taken in float64 and rounded to fp32 (the kernels add in fp32 in
+  some order, so they may differ by 1 ulp of the output dtype), then ``x * rsqrt(mean + eps) * w``
+  in fp32 steps, rounded once.
+* FP8: saturating round-to-nearest-even (clamp to +-max first: torch's casts do not saturate),
+  NaN stays NaN; stored value = ``cvt(x / scale)`` with the value first rounded to the model dtype.
+* fp8_ds_mla: per tile of 128, scale = ``max(amax / 448, FLT_MIN)`` (optionally rounded up to a
+  power of two), 512 e4m3 bytes, 4 fp32 scales, 64 bf16 rope values.
+"""
+
+from typing import Optional
+
+import torch
+
+from mlakv.cache import (DS_MLA_LATENT_DIM, DS_MLA_NUM_TILES, DS_MLA_TILE, canonical_format,
+                         cache_latent_dtype)
+
+FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+FLT_MIN = torch.finfo(torch.float32).tiny
+
+
+# ---- numerics ----------------------------------------------------------------------------------
+def fma_f32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """``fma(a, b, c)`` of float32 tensors with one rounding, emulated in float64.
+
+    ``a * b`` is exact in float64 (48 significant bits). The float64 sum ``s = a*b + c`` may round;
+    TwoSum gives its exact error ``e``. Rounding ``s + e`` to odd in float64 (53 bits) and then to
+    nearest-even in float32 (24 bits) equals a single correct rounding, since 53 >= 24 + 2."""
+    prod = a.double() * b.double()
+    cc = c.double()
+    s = prod + cc
+    bb = s - prod
+    err = (prod - (s - bb)) + (cc - bb)
+    inexact = err != 0
+    s_is_odd = (s.view(torch.int64) & 1) == 1
+    inf = torch.full_like(s, float("inf"))
+    toward = torch.where(err > 0, inf, -inf)
+    s_odd = torch.where(inexact & ~s_is_odd, torch.nextafter(s, toward), s)
+    return s_odd.to(torch.float32)
+
+
+def rope_rotate(x: torch.Tensor, y: torch.Tensor, c: torch.Tensor, s: torch.Tensor):
+    """One rotation in fp32: ``(fma(x, c, -(y*s)), fma(y, c, x*s))``; float32 in and out."""
+    return fma_f32(x, c, -(y * s)), fma_f32(y, c, x * s)
+
+
+def to_fp8(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """float32 -> float8 with saturation (+-inf too) and round-to-nearest-even; NaN stays NaN."""
+    m = FP8_MAX[dtype]
+    return x.clamp(-m, m).to(dtype)
+
+
+def round_to(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """float32 values rounded to ``dtype`` and back to float32 (what a consumer of dtype sees)."""
+    if dtype in FP8_MAX:
+        return to_fp8(x, dtype).to(torch.float32)
+    return x.to(dtype).to(torch.float32)
+
+
+def _index(t: torch.Tensor, n: int) -> torch.Tensor:
+    return t[:n].to(torch.int64).cpu()
+
+
+def cos_sin_rows(cos_sin_cache: torch.Tensor, positions: torch.Tensor):
+    """(cos, sin) float32 ``[T, R/2]`` at the positions, clamped into the table."""
+    max_pos = cos_sin_cache.shape[0]
+    half = cos_sin_cache.shape[1] // 2
+    pos = positions.to(torch.int64).clamp(0, max_pos - 1)
+    rows = cos_sin_cache.float().cpu()[pos.cpu()]
+    return rows[:, :half], rows[:, half:]
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, is_neox: bool):
+    """RoPE of ``x [T, ..., R]`` (float32) with ``cos/sin [T, R/2]``; float32, not rounded."""
+    R = x.shape[-1]
+    half = R // 2
+    shape = [x.shape[0]] + [1] * (x.dim() - 2) + [half]
+    c = cos.reshape(shape)
+    s = sin.reshape(shape)
+    if is_neox:
+        first, second = x[..., :half], x[..., half:]
+    else:
+        first, second = x[..., 0::2], x[..., 1::2]
+    a, b = rope_rotate(first, second, c, s)
+    out = torch.empty_like(x)
+    if is_neox:
+        out[..., :half], out[..., half:] = a, b
+    else:
+        out[..., 0::2], out[..., 1::2] = a, b
+    return out
+
+
+def rms_norm_values(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of ``x [T, N]`` as float32 values, before rounding to the output dtype."""
+    xf = x.float().cpu()
+    n = xf.shape[-1]
+    sum_squares = (xf.double() ** 2).sum(-1, keepdim=True).to(torch.float32)
+    eps32 = torch.tensor(eps, dtype=torch.float32)
+    inv = 1.0 / torch.sqrt(sum_squares / float(n) + eps32)
+    return (xf * inv) * weight.float().cpu()
+
+
+# ---- cache encoding ----------------------------------------------------------------------------
+def ds_mla_tile_scale(amax: torch.Tensor, pow2: bool) -> torch.Tensor:
+    scale = amax / 448.0
+    scale = torch.where(scale >= FLT_MIN, scale, torch.full_like(scale, FLT_MIN))
+    if pow2:
+        bits = scale.view(torch.int32)
+        exp = bits & 0x7F800000
+        needs = ((bits & 0x007FFFFF) != 0) & (exp != 0x7F800000)
+        bits = torch.where(needs, exp + 0x00800000, bits)
+        scale = bits.view(torch.float32)
+    return scale
+
+
+def encode_entries(kv_c: torch.Tensor, k_pe: torch.Tensor, cache_format: str,
+                   scale: Optional[float] = None, pow2: bool = False) -> torch.Tensor:
+    """Cache entries as bytes ``[T, entry_bytes]`` from float32 values already rounded to the
+    model dtype (``kv_c [T, L]``, rotated ``k_pe [T, R]``)."""
+    fmt = canonical_format(cache_format)
+    T = kv_c.shape[0]
+    if fmt == "fp8_ds_mla":
+        tiles = kv_c.reshape(T, DS_MLA_NUM_TILES, DS_MLA_TILE)
+        scales = ds_mla_tile_scale(tiles.abs().amax(-1), pow2)  # [T, 4]
+        q = to_fp8(tiles / scales.unsqueeze(-1), torch.float8_e4m3fn).reshape(T, DS_MLA_LATENT_DIM)
+        rope = k_pe.to(torch.bfloat16)
+        return torch.cat([q.view(torch.uint8), scales.contiguous().view(torch.uint8),
+                          rope.contiguous().view(torch.uint8)], dim=-1)
+    values = torch.cat([kv_c, k_pe], dim=-1)
+    dtype = cache_latent_dtype(fmt)
+    if dtype in FP8_MAX:
+        s = torch.tensor(1.0 if scale is None else scale, dtype=torch.float32)
+        return to_fp8(values / s, dtype).view(torch.uint8)
+    return values.to(dtype).contiguous().view(torch.uint8)
+
+
+def decode_entries(entries: torch.Tensor, cache_format: str, L: int, R: int,
+                   scale: Optional[float] = None) -> torch.Tensor:
+    """Bytes ``[N, entry_bytes]`` -> float32 ``[N, L + R]`` (dequantized, fp32 products)."""
+    fmt = canonical_format(cache_format)
+    N = entries.shape[0]
+    entries = entries.contiguous()
+    if fmt == "fp8_ds_mla":
+        q = entries[:, :DS_MLA_LATENT_DIM].view(torch.float8_e4m3fn).float()
+        scales = entries[:, DS_MLA_LATENT_DIM:DS_MLA_LATENT_DIM + 16].contiguous().view(
+            torch.float32)
+        rope = entries[:, DS_MLA_LATENT_DIM + 16:].contiguous().view(torch.bfloat16).float()
+        latent = (q.reshape(N, DS_MLA_NUM_TILES, DS_MLA_TILE) * scales.unsqueeze(-1)).reshape(
+            N, DS_MLA_LATENT_DIM)
+        return torch.cat([latent, rope], dim=-1)
+    dtype = cache_latent_dtype(fmt)
+    values = entries.view(dtype).float()
+    if dtype in FP8_MAX:
+        values = values * torch.tensor(1.0 if scale is None else scale, dtype=torch.float32)
+    return values
+
+
+def _scale_value(t: Optional[torch.Tensor]) -> Optional[float]:
+    return None if t is None else float(t.reshape(-1)[0].item())
+
+
+def _cache_rows(kv_cache: torch.Tensor, kv_cache_rope: Optional[torch.Tensor]):
+    """(latent bytes ``[num_slots, *]``, rope bytes or None) of a cache, on the CPU."""
+    nb, bs = kv_cache.shape[0], kv_cache.shape[1]
+    latent = kv_cache.cpu().contiguous().view(torch.uint8).reshape(nb * bs, -1)
+    rope = None
+    if kv_cache_rope is not None:
+        rope = kv_cache_rope.cpu().contiguous().view(torch.uint8).reshape(nb * bs, -1)
+    return latent, rope
+
+
+def _write_back(kv_cache: torch.Tensor, latent: torch.Tensor, kv_cache_rope, rope):
+    kv_cache.copy_(latent.reshape(kv_cache.shape[0], kv_cache.shape[1], -1).view(kv_cache.dtype)
+                   .to(kv_cache.device))
+    if kv_cache_rope is not None:
+        kv_cache_rope.copy_(rope.reshape(kv_cache_rope.shape[0], kv_cache_rope.shape[1], -1)
+                            .view(kv_cache_rope.dtype).to(kv_cache_rope.device))
+
+
+def write_cache(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, kv_c_vals: torch.Tensor,
+                k_pe_vals: torch.Tensor, cache_format: str,
+                kv_cache_scale: Optional[torch.Tensor] = None,
+                kv_cache_rope: Optional[torch.Tensor] = None, pow2: bool = False):
+    """Writes entries of model-dtype-rounded float32 values at the slots; slot < 0 and slots past
+    the cache are skipped."""
+    fmt = canonical_format(cache_format, kv_cache)
+    T = slot_mapping.shape[0]
+    L = kv_c_vals.shape[-1]
+    entries = encode_entries(kv_c_vals, k_pe_vals, fmt, _scale_value(kv_cache_scale), pow2)
+    latent, rope = _cache_rows(kv_cache, kv_cache_rope)
+    num_slots = latent.shape[0]
+    slots = _index(slot_mapping, T)
+    latent_bytes = L * cache_latent_dtype(fmt).itemsize if kv_cache_rope is not None else None
+    for t in range(T):
+        s = int(slots[t])
+        if s < 0 or s >= num_slots:
+            continue
+        if kv_cache_rope is None:
+            latent[s] = entries[t]
+        else:
+            latent[s] = entries[t, :latent_bytes]
+            rope[s] = entries[t, latent_bytes:]
+    _write_back(kv_cache, latent, kv_cache_rope, rope)
+
+
+# ---- the ops -----------------------------------------------------------------------------------
+def mla_rope_cache(positions, slot_mapping, cos_sin_cache, kv_c, k_pe, kv_cache, *,
+                   cache_format="auto", kv_cache_scale=None, kv_cache_rope=None, is_neox=False,
+                   kv_norm_weight=None, kv_norm_eps=1e-6, k_pe_out=None, kv_c_out=None,
+                   q_pe=None, ql_nope=None, q_out=None, q_scale=None, q=None, q_prefill_out=None,
+                   num_decode_tokens=0, num_decode_tokens_device=None, error_counts=None,
+                   ds_mla_pow2_scale=False) -> None:
+    """Reference of ``mlakv.mla_rope_cache`` (same arguments; error counters are not kept)."""
+    T = slot_mapping.shape[0]
+    model = kv_c.dtype
+    if num_decode_tokens_device is not None:
+        Td = int(num_decode_tokens_device.reshape(-1)[0].item())
+        Td = min(max(Td, 0), T)
+    else:
+        Td = int(num_decode_tokens)
+    cos, sin = cos_sin_rows(cos_sin_cache, positions[:T])
+    if k_pe.dim() == 3:
+        k_pe = k_pe[:, 0]
+
+    # K side.
+    if kv_norm_weight is not None:
+        kv_vals = round_to(rms_norm_values(kv_c[:T], kv_norm_weight, kv_norm_eps), model)
+    else:
+        kv_vals = kv_c[:T].float().cpu()
+    k_vals = round_to(apply_rope(k_pe[:T].float().cpu(), cos, sin, is_neox), model)
+    write_cache(kv_cache, slot_mapping, kv_vals, k_vals, cache_format, kv_cache_scale,
+                kv_cache_rope, ds_mla_pow2_scale)
+    if k_pe_out is not None:
+        dst = k_pe_out[:, 0] if k_pe_out.dim() == 3 else k_pe_out
+        dst[:T].copy_(k_vals.to(model))
+    if kv_c_out is not None:
+        kv_c_out[:T].copy_(kv_vals.to(model))
+
+    # Decode Q side.
+    if q_out is not None and Td > 0:
+        L = q_out.shape[-1] - q_pe.shape[-1]
+        rope = round_to(apply_rope(q_pe[:Td].float().cpu(), cos[:Td], sin[:Td], is_neox), model)
+        if ql_nope is not None:
+            nope = ql_nope[:Td].float().cpu()
+        else:
+            nope = q_out[:Td, :, :L].float().cpu()
+        vals = torch.cat([nope, rope], dim=-1)
+        if q_out.dtype in FP8_MAX:
+            s = torch.tensor(1.0 if q_scale is None else _scale_value(q_scale))
+            q_out[:Td].copy_(to_fp8(vals / s, q_out.dtype))
+        elif ql_nope is not None:
+            q_out[:Td].copy_(vals.to(q_out.dtype))
+        else:
+            q_out[:Td, :, L:].copy_(rope.to(q_out.dtype))
+
+    # Prefill Q side.
+    if q is not None and Td < T:
+        R = cos_sin_cache.shape[1]
+        head = q[Td:T].float().cpu()
+        rope = round_to(apply_rope(head[..., -R:], cos[Td:], sin[Td:], is_neox), model)
+        dst = q if q_prefill_out is None else q_prefill_out
+        if q_prefill_out is not None:
+            dst[Td:T, :, :-R].copy_(q[Td:T, :, :-R])
+        dst[Td:T, :, -R:].copy_(rope.to(dst.dtype))
+
+
+def rotary_embedding(positions, query, key, cos_sin_cache, *, is_neox=False, head_size=None,
+                     error_counts=None) -> None:
+    """Reference of ``mlakv.rotary_embedding``."""
+    T = positions.shape[0]
+    rot = cos_sin_cache.shape[1]
+    cos, sin = cos_sin_rows(cos_sin_cache, positions[:T])
+    for t in (query, key):
+        if t is None:
+            continue
+        view = t if t.dim() == 3 else t.view(t.shape[0], -1, head_size)
+        vals = view[:T, :, :rot].float().cpu()
+        view[:T, :, :rot].copy_(round_to(apply_rope(vals, cos, sin, is_neox), t.dtype).to(t.dtype))
+
+
+def concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, *, cache_format="auto",
+                         kv_cache_scale=None, kv_cache_rope=None, error_counts=None,
+                         ds_mla_pow2_scale=False) -> None:
+    """Reference of ``mlakv.concat_and_cache_mla``."""
+    T = slot_mapping.shape[0]
+    if k_pe.dim() == 3:
+        k_pe = k_pe[:, 0]
+    write_cache(kv_cache, slot_mapping, kv_c[:T].float().cpu(), k_pe[:T].float().cpu(),
+                cache_format, kv_cache_scale, kv_cache_rope, ds_mla_pow2_scale)
+
+
+def decode_q_concat(ql_nope, q_pe, q_out, *, q_scale=None) -> None:
+    """Reference of ``mlakv.decode_q_concat``."""
+    T = q_out.shape[0]
+    vals = torch.cat([ql_nope[:T].float(), q_pe[:T].float()], dim=-1)
+    if q_out.dtype in FP8_MAX:
+        s = torch.tensor(1.0 if q_scale is None else _scale_value(q_scale))
+        q_out.copy_(to_fp8(vals.cpu() / s, q_out.dtype).to(q_out.device))
+    else:
+        q_out.copy_(vals.to(q_out.dtype))
+
+
+def rms_norm(input, weight, eps=1e-6, *, out=None):
+    """Reference of ``mlakv.rms_norm`` (sum of squares in float64)."""
+    vals = rms_norm_values(input, weight, eps).to(input.dtype).to(input.device)
+    if out is None:
+        return vals
+    out[:input.shape[0]].copy_(vals)
+    return out
+
+
+def _gather(kv_cache, slots, kv_lora_rank, cache_format, kv_cache_scale, kv_cache_rope,
+            out_dtype):
+    fmt = canonical_format(cache_format, kv_cache)
+    latent, rope = _cache_rows(kv_cache, kv_cache_rope)
+    num_slots = latent.shape[0]
+    L = kv_lora_rank
+    scale = _scale_value(kv_cache_scale)
+    if rope is None:
+        values = decode_entries(latent, fmt, L, None, scale)
+    else:
+        values = torch.cat([decode_entries(latent, fmt, L, None, scale),
+                            decode_entries(rope, fmt, L, None, scale)], dim=-1)
+    out = torch.zeros(slots.shape[0], values.shape[-1], dtype=torch.float32)
+    for i, s in enumerate(slots.tolist()):
+        if 0 <= s < num_slots:
+            out[i] = values[s]
+    return out.to(out_dtype)
+
+
+def gather_cache_slots(kv_cache, slots, *, kv_lora_rank, cache_format="auto",
+                       kv_cache_scale=None, kv_cache_rope=None, out_dtype=torch.float32,
+                       error_counts=None) -> torch.Tensor:
+    """Reference of ``mlakv.gather_cache_slots`` (result on the cache's device)."""
+    out = _gather(kv_cache, slots.cpu().to(torch.int64), kv_lora_rank, cache_format,
+                  kv_cache_scale, kv_cache_rope, out_dtype)
+    return out.to(kv_cache.device)
+
+
+def gather_cache_sequences(kv_cache, block_table, cu_seq_lens, num_out_rows, *, kv_lora_rank,
+                           cache_format="auto", kv_cache_scale=None, kv_cache_rope=None,
+                           out_dtype=torch.float32, error_counts=None) -> torch.Tensor:
+    """Reference of ``mlakv.gather_cache_sequences``."""
+    nb, bs = kv_cache.shape[0], kv_cache.shape[1]
+    cu = cu_seq_lens.cpu().tolist()
+    table = block_table.cpu().to(torch.int64)
+    slots = torch.full((num_out_rows,), -1, dtype=torch.int64)
+    for b in range(len(cu) - 1):
+        for i in range(cu[b + 1] - cu[b]):
+            row = cu[b] + i
+            if row >= num_out_rows:
+                break
+            block = int(table[b, i // bs])
+            if 0 <= block < nb:
+                slots[row] = block * bs + i % bs
+    out = _gather(kv_cache, slots, kv_lora_rank, cache_format, kv_cache_scale, kv_cache_rope,
+                  out_dtype)
+    return out.to(kv_cache.device)
+
+
+# ---- a plain engine path (what torch.compile is benchmarked on) -------------------------------
+def torch_mla_rope_cache_decode(positions, slot_mapping, cos_sin_cache, kv_c, k_pe, kv_cache,
+                                q_pe, q_out, is_neox=False, kv_cache_scale=None):
+    """The decode step as plain PyTorch would write it, float32 math: rotate q_pe into q_out's rope
+    part and k_pe, then write ``[kv_c | k_pe]`` at the slots of a typed cache (bf16 / fp16 / fp32,
+    or float8 quantized as ``value / kv_cache_scale``). Not bit-exact with the kernels (no fma);
+    it is the baseline ``torch.compile`` is timed on."""
+    T = slot_mapping.shape[0]
+    R = cos_sin_cache.shape[1]
+    half = R // 2
+    rows = cos_sin_cache.index_select(0, positions[:T].long()).float()
+    cos, sin = rows[:, :half], rows[:, half:]
+
+    def rope(x, c, s):
+        x = x.float()
+        if is_neox:
+            a, b = x[..., :half], x[..., half:]
+            return torch.cat([a * c - b * s, b * c + a * s], dim=-1)
+        a, b = x[..., 0::2], x[..., 1::2]
+        return torch.stack([a * c - b * s, b * c + a * s], dim=-1).flatten(-2)
+
+    q_rot = rope(q_pe[:T], cos[:, None], sin[:, None])
+    q_out[:T, :, -R:] = q_rot.to(q_out.dtype)
+    k_rot = rope(k_pe[:T], cos, sin).to(kv_c.dtype)
+    entry = torch.cat([kv_c[:T], k_rot], dim=-1)
+    if kv_cache.dtype in FP8_MAX:
+        m = FP8_MAX[kv_cache.dtype]
+        value = entry.float() if kv_cache_scale is None else entry.float() / kv_cache_scale
+        entry = value.clamp(-m, m).to(kv_cache.dtype)
+    else:
+        entry = entry.to(kv_cache.dtype)
+    # Scatter whole entries as bytes (index_copy_ has no float8 kernels).
+    flat = kv_cache.view(torch.uint8).view(-1, kv_cache.shape[-1] * kv_cache.element_size())
+    flat.index_copy_(0, slot_mapping[:T].long(), entry.view(torch.uint8))

@@ -1,0 +1,201 @@
+"""The DeepSeek-V3 MLA layer of mlakv.modules: fused == unfused, paged == dense, graphs == eager."""
+
+import copy
+import math
+
+import pytest
+import torch
+
+from mlakv.modules import DeepseekV3MLAttention, MLAConfig, dense_mla_reference, init_mla_weights_
+
+from conftest import requires_cuda
+
+
+class PagedEngine:
+    """A minimal engine around one layer: block tables, slots and batches of decode tokens
+    followed by prefill chunks, as vLLM would build them."""
+
+    def __init__(self, layer, max_blocks_per_seq=6, seed=0):
+        self.layer = layer
+        self.bs = layer.config.block_size
+        self.max_blocks = max_blocks_per_seq
+        g = torch.Generator().manual_seed(seed)
+        self.free_blocks = torch.randperm(layer.config.num_blocks, generator=g).tolist()
+        self.tables = {}
+        self.lens = {}
+        self.hidden = {}   # every token's hidden state per sequence, for the dense reference
+        self.outputs = {}  # every token's layer output per sequence
+        self.g = g
+
+    def _slot(self, seq, pos):
+        table = self.tables.setdefault(seq, [])
+        while len(table) <= pos // self.bs:
+            table.append(self.free_blocks.pop())
+        return table[pos // self.bs] * self.bs + pos % self.bs
+
+    def step(self, decode_seqs, prefill, pad_to=None):
+        """decode_seqs: sequence ids taking one token each; prefill: (sequence id, new tokens).
+        Returns the inputs it built (for graph tests) and records the outputs."""
+        layer = self.layer
+        dev = layer.kv_cache.device
+        dtype = layer.config.dtype
+        order = [(s, 1) for s in decode_seqs] + list(prefill)
+        positions, slots, hidden = [], [], []
+        for seq, n in order:
+            start = self.lens.get(seq, 0)
+            h = torch.randn(n, layer.config.hidden_size, generator=self.g).to(dtype)
+            self.hidden.setdefault(seq, []).append(h)
+            for p in range(start, start + n):
+                positions.append(p)
+                slots.append(self._slot(seq, p))
+            self.lens[seq] = start + n
+            hidden.append(h)
+        block_table = torch.full((len(order), self.max_blocks), -1, dtype=torch.int32)
+        for b, (seq, _) in enumerate(order):
+            block_table[b, :len(self.tables[seq])] = torch.tensor(self.tables[seq])
+        inputs = dict(
+            hidden_states=torch.cat(hidden).to(dev),
+            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            block_table=block_table.to(dev),
+            seq_lens=torch.tensor([self.lens[s] for s, _ in order], dtype=torch.int32,
+                                  device=dev),
+            num_decode=len(decode_seqs),
+            prefill_query_lens=[n for _, n in prefill] if prefill else None)
+        out = layer(**inputs)
+        self._record(order, out)
+        return inputs, out
+
+    def _record(self, order, out):
+        row = 0
+        for seq, n in order:
+            self.outputs.setdefault(seq, []).append(out[row:row + n].float().cpu())
+            row += n
+
+    def dense_check(self, seq, rtol):
+        """The sequence's outputs over all steps against the dense layer over the whole sequence."""
+        hidden = torch.cat(self.hidden[seq])
+        got = torch.cat(self.outputs[seq])
+        layer = self.layer
+        want = dense_mla_reference(layer, hidden.to(layer.kv_cache.device),
+                                   torch.arange(hidden.shape[0], device=layer.kv_cache.device))
+        want = want.cpu()
+        err = (got - want).abs().max().item()
+        scale = want.abs().max().item()
+        assert err <= rtol * scale, f"seq {seq}: max error {err:.3g} vs max |ref| {scale:.3g}"
+
+
+def make_layer(device="cpu", fused=None, seed=0, **overrides):
+    torch.manual_seed(seed)
+    layer = DeepseekV3MLAttention(MLAConfig.small(**overrides), device=device, fused=fused)
+    init_mla_weights_(layer, torch.Generator().manual_seed(seed))
+    return layer
+
+
+SCENARIO = [
+    # (decode sequences, prefill chunks)
+    ([], [(0, 5), (1, 3), (2, 4)]),               # pure prefill
+    ([0, 1], [(2, 3), (3, 6)]),                   # mixed: decodes, a second chunk, a new prompt
+    ([0, 1, 2, 3], []),                           # pure decode
+    ([3, 2], [(4, 2)]),
+    ([0, 1, 2, 3, 4], []),
+]
+
+
+@pytest.mark.parametrize("cache_format", ["bf16", "fp8_e4m3"])
+def test_fused_equals_unfused(cache_format, monkeypatch):
+    """MLAKV_FUSED=1 and MLAKV_FUSED=0 give identical outputs and caches, step after step."""
+    fused_layer = make_layer(cache_format=cache_format, kv_cache_scale=0.05)
+    unfused_layer = copy.deepcopy(fused_layer)
+    engines = {}
+    for env, layer in (("1", fused_layer), ("0", unfused_layer)):
+        monkeypatch.setenv("MLAKV_FUSED", env)
+        assert layer.use_fused() == (env == "1")
+        engine = PagedEngine(layer)
+        for decode, prefill in SCENARIO:
+            engine.step(decode, prefill)
+        engines[env] = engine
+    assert torch.equal(fused_layer.kv_cache, unfused_layer.kv_cache)
+    for seq in engines["1"].outputs:
+        for a, b in zip(engines["1"].outputs[seq], engines["0"].outputs[seq]):
+            assert torch.equal(a, b), f"sequence {seq}"
+
+
+@pytest.mark.parametrize("dtype,cache_format,rtol", [
+    # Relative to the largest output; observed: fp32 3e-7, bf16 4e-3, fp8 2e-2.
+    (torch.float32, "fp32", 1e-5),
+    (torch.bfloat16, "bf16", 2e-2),
+    (torch.bfloat16, "fp8_e4m3", 6e-2),
+])
+@pytest.mark.parametrize("fused", [True, False])
+def test_paged_steps_equal_dense_layer(dtype, cache_format, rtol, fused):
+    """Prefill (chunked for one sequence), then several decode steps, equals the same layer run
+    as one plain, non-paged causal computation over each whole sequence."""
+    layer = make_layer(fused=fused, dtype=dtype, cache_format=cache_format, kv_cache_scale=0.05)
+    engine = PagedEngine(layer)
+    for decode, prefill in SCENARIO:
+        engine.step(decode, prefill)
+    for seq in range(5):
+        engine.dense_check(seq, rtol)
+
+
+def test_config_without_q_lora_and_plain_rope():
+    """DeepSeek-V2-Lite style: q_proj straight from the hidden state, no YaRN."""
+    layer = make_layer(dtype=torch.float32, cache_format="fp32", q_lora_rank=None,
+                       rope_scaling=None)
+    engine = PagedEngine(layer)
+    engine.step([], [(0, 6), (1, 2)])
+    engine.step([0, 1], [])
+    engine.step([1, 0], [])
+    for seq in (0, 1):
+        engine.dense_check(seq, 1e-5)
+
+
+def test_yarn_softmax_scale():
+    layer = make_layer()
+    rs = layer.config.rope_scaling
+    m = 0.1 * rs["mscale_all_dim"] * math.log(rs["factor"]) + 1.0
+    assert layer.scaling == pytest.approx((layer.P + layer.R) ** -0.5 * m * m)
+
+
+def test_forward_rejects_bad_batches():
+    layer = make_layer()
+    engine = PagedEngine(layer)
+    inputs, _ = engine.step([], [(0, 4)])
+    with pytest.raises(ValueError, match="num_decode"):
+        layer(**{**inputs, "num_decode": 9})
+    with pytest.raises(ValueError, match="prefill_query_lens"):
+        layer(**{**inputs, "prefill_query_lens": [3]})
+
+
+@requires_cuda
+@pytest.mark.parametrize("cache_format", ["bf16", "fp8_e4m3"])
+def test_decode_step_in_cuda_graph_equals_eager(cache_format):
+    layer = make_layer(device="cuda", cache_format=cache_format, kv_cache_scale=0.05)
+    engine = PagedEngine(layer)
+    engine.step([], [(0, 5), (1, 7), (2, 3)])
+    static, _ = engine.step([0, 1, 2], [])      # eager warm-up of the decode shapes
+    static = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in static.items()}
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    saved = layer.kv_cache.clone()
+    with torch.cuda.stream(stream):
+        layer(**static)
+    torch.cuda.current_stream().wait_stream(stream)
+    layer.kv_cache.copy_(saved)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = layer(**static)
+    layer.kv_cache.copy_(saved)
+    for _ in range(3):
+        before = layer.kv_cache.clone()
+        inputs, eager_out = engine.step([2, 0, 1], [])   # eager step (new tokens, new slots)
+        eager_cache = layer.kv_cache.clone()
+        layer.kv_cache.copy_(before)
+        for k, v in inputs.items():
+            if isinstance(v, torch.Tensor):
+                static[k].copy_(v)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(layer.kv_cache, eager_cache)
+        torch.testing.assert_close(static_out, eager_out, rtol=0, atol=0)

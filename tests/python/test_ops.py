@@ -1,0 +1,389 @@
+"""Every op of torch.ops.mlakv against mlakv.reference, over the named configs and cache formats."""
+
+import math
+
+import pytest
+import torch
+
+import mlakv
+from mlakv import reference as ref
+
+from conftest import (CONFIGS, FP8_FORMATS, SENTINEL, assert_bytes_equal, assert_cache_close,
+                      assert_ulp_close, call_mla, config_format_params, make_mla_inputs)
+
+TP8 = CONFIGS[1]
+MINICPM3 = CONFIGS[4]
+
+
+def scale_of(x, fmt):
+    return float(x.kv_cache_scale[0]) if fmt in FP8_FORMATS else None
+
+
+# ---- the fused op ------------------------------------------------------------------------------
+@pytest.mark.parametrize("cfg,fmt", config_format_params())
+def test_mla_rope_cache_matches_reference(cfg, fmt, device):
+    """Mixed batch (decode rows, a padding slot, prefill rows), no RMSNorm: every byte exact."""
+    x = make_mla_inputs(cfg, fmt, device=device)
+    y = x.clone()
+    call_mla(mlakv.mla_rope_cache, x, fmt, norm=False)
+    call_mla(ref.mla_rope_cache, y, fmt, norm=False)
+    assert_bytes_equal(x.kv_cache, y.kv_cache)
+    assert_bytes_equal(x.q_out, y.q_out)
+    assert_bytes_equal(x.q, y.q)
+    assert_bytes_equal(x.k_pe_out, y.k_pe_out)
+    assert_bytes_equal(x.kv_c_out, y.kv_c_out)
+
+
+@pytest.mark.parametrize("cfg,fmt", config_format_params())
+def test_mla_rope_cache_with_norm_matches_reference(cfg, fmt, device):
+    """With kv_a_layernorm fused in: the fp32 sum of squares may differ by its order, so kv_c may
+    move by 1 ulp of the model dtype; everything else is exact."""
+    x = make_mla_inputs(cfg, fmt, device=device, seed=1)
+    y = x.clone()
+    call_mla(mlakv.mla_rope_cache, x, fmt)
+    call_mla(ref.mla_rope_cache, y, fmt)
+    assert_ulp_close(x.kv_c_out, y.kv_c_out, 1)
+    assert_cache_close(x.kv_cache, y.kv_cache, fmt, cfg.L, cfg.R, torch.bfloat16,
+                       scale_of(x, fmt))
+    assert_bytes_equal(x.q_out, y.q_out)
+    assert_bytes_equal(x.q, y.q)
+    assert_bytes_equal(x.k_pe_out, y.k_pe_out)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("is_neox", [False, True])
+@pytest.mark.parametrize("table_dtype", [torch.float32, torch.bfloat16])
+def test_mla_rope_cache_dtypes_and_styles(dtype, is_neox, table_dtype, device):
+    cfg = MINICPM3
+    for fmt in ["bf16", "fp32", "fp8_e4m3"]:
+        x = make_mla_inputs(cfg, fmt, dtype=dtype, device=device, seed=2)
+        x.cos_sin_cache = x.cos_sin_cache.to(table_dtype)
+        y = x.clone()
+        call_mla(mlakv.mla_rope_cache, x, fmt, norm=False, is_neox=is_neox)
+        call_mla(ref.mla_rope_cache, y, fmt, norm=False, is_neox=is_neox)
+        assert_bytes_equal(x.kv_cache, y.kv_cache)
+        assert_bytes_equal(x.q_out, y.q_out)
+        assert_bytes_equal(x.q, y.q)
+
+
+@pytest.mark.parametrize("mode", ["decode", "prefill", "mixed"])
+def test_mla_rope_cache_modes(mode, device):
+    cfg = TP8
+    T = 5
+    Td = {"decode": T, "prefill": 0, "mixed": 3}[mode]
+    fn = {"decode": mlakv.mla_rope_cache_decode, "prefill": mlakv.mla_rope_cache_prefill,
+          "mixed": mlakv.mla_rope_cache_mixed}[mode]
+    x = make_mla_inputs(cfg, "bf16", T=T, Td=Td, device=device)
+    y = x.clone()
+    call_mla(fn, x, "bf16", norm=False, decode=Td > 0, prefill=Td < T)
+    call_mla(ref.mla_rope_cache, y, "bf16", norm=False, decode=Td > 0, prefill=Td < T)
+    assert_bytes_equal(x.kv_cache, y.kv_cache)
+    assert_bytes_equal(x.q_out, y.q_out)
+    assert_bytes_equal(x.q, y.q)
+
+
+def test_mla_rope_cache_fp8_q_out_and_prefill_out(device):
+    cfg = TP8
+    x = make_mla_inputs(cfg, "fp8_e4m3", device=device, seed=3)
+    q_scale = torch.tensor([0.05], dtype=torch.float32, device=device)
+    outs = []
+    for fn, inp in ((mlakv.mla_rope_cache, x), (ref.mla_rope_cache, x.clone())):
+        q_out = torch.zeros(inp.q_out.shape, dtype=torch.float8_e4m3fn, device=device)
+        q_prefill_out = torch.zeros_like(inp.q)
+        q_before = inp.q.clone()
+        call_mla(fn, inp, "fp8_e4m3", q_out=q_out, q_scale=q_scale, q_prefill_out=q_prefill_out)
+        assert torch.equal(inp.q, q_before), "q must stay untouched when q_prefill_out is given"
+        outs.append((q_out, q_prefill_out, inp.kv_cache))
+    for a, e in zip(*outs):
+        assert_bytes_equal(a, e)
+
+
+def test_mla_rope_cache_int32_indices_split_cache_and_views(device):
+    """int32 positions / slots, a split (latent + rope) cache, and q_pe as a strided view of q."""
+    cfg = MINICPM3
+    x = make_mla_inputs(cfg, "bf16", device=device, seed=4)
+    nb, bs = x.kv_cache.shape[:2]
+    results = []
+    for fn in (mlakv.mla_rope_cache, ref.mla_rope_cache):
+        latent = torch.full((nb, bs, cfg.L), 1.5, dtype=torch.bfloat16, device=device)
+        rope = torch.full((nb, bs, cfg.R), 2.5, dtype=torch.bfloat16, device=device)
+        q_full = x.q.clone()
+        q_out = x.q_out.clone()
+        fn(x.positions.to(torch.int32), x.slot_mapping.to(torch.int32), x.cos_sin_cache,
+           x.kv_c, x.k_pe, latent, cache_format="bf16", kv_cache_rope=rope,
+           q_pe=q_full[:, :, cfg.P:], ql_nope=x.ql_nope, q_out=q_out, q=q_full,
+           num_decode_tokens=x.Td)
+        results.append((latent, rope, q_out, q_full))
+    for a, e in zip(*results):
+        assert_bytes_equal(a, e)
+
+
+def test_mla_rope_cache_absorbed_nope_is_left_in_place(device):
+    """ql_nope=None: the nope part already in q_out (written by the absorb GEMM) is kept."""
+    cfg = TP8
+    x = make_mla_inputs(cfg, "bf16", device=device, seed=5)
+    x.q_out[:, :, :cfg.L] = x.ql_nope
+    y = x.clone()
+    call_mla(mlakv.mla_rope_cache, x, "bf16", ql_nope=None)
+    call_mla(ref.mla_rope_cache, y, "bf16")  # reference copies ql_nope: same bytes
+    assert_bytes_equal(x.q_out, y.q_out)
+
+
+def test_mla_rope_cache_padding_and_error_counters(device):
+    """Rows past T (graph padding) stay untouched; slot -1 writes nothing; a slot past the cache
+    and a position past the table are skipped / clamped and counted."""
+    cfg = TP8
+    T, pad = 6, 3
+    x = make_mla_inputs(cfg, "bf16", T=T, device=device, pad_rows=pad, seed=6, max_pos=100)
+    num_slots = x.kv_cache.shape[0] * x.kv_cache.shape[1]
+    x.slot_mapping[1] = num_slots + 5
+    x.positions[0] = 1000
+    y = x.clone()
+    counts = mlakv.new_error_counts(device)
+    call_mla(mlakv.mla_rope_cache, x, "bf16", error_counts=counts)
+    call_mla(ref.mla_rope_cache, y, "bf16")
+    assert_cache_close(x.kv_cache, y.kv_cache, "bf16", cfg.L, cfg.R, torch.bfloat16)
+    assert_bytes_equal(x.q_out, y.q_out)
+    assert_bytes_equal(x.q, y.q)
+    # Padding rows: never written.
+    assert torch.all(x.k_pe_out[T:] == -3.0) and torch.all(x.kv_c_out[T:] == -3.0)
+    assert torch.all(x.q_out[x.Td:] == 7.0)
+    n = mlakv.read_error_counts(counts)
+    assert n["bad_slot"] == 1 and n["bad_position"] == 1, n
+    # Slot -1 (padding) and the bad slot: the sentinel is intact everywhere the reference left it.
+    written = x.kv_cache.view(torch.uint8) != SENTINEL
+    assert int(written.reshape(num_slots, -1).any(-1).sum()) == T - 2
+
+
+def test_mla_rope_cache_device_decode_count(device):
+    cfg = TP8
+    T = 6
+    x = make_mla_inputs(cfg, "bf16", T=T, Td=4, device=device, seed=7)
+    y = x.clone()
+    td = torch.tensor([4], dtype=torch.int32, device=device)
+    call_mla(mlakv.mla_rope_cache, x, "bf16", num_decode_tokens=0, num_decode_tokens_device=td)
+    call_mla(ref.mla_rope_cache, y, "bf16")
+    assert_ulp_close(x.kv_c_out, y.kv_c_out, 1)
+    assert_bytes_equal(x.q_out, y.q_out)
+    assert_bytes_equal(x.q, y.q)
+    # Out of range: clamped to T and counted.
+    counts = mlakv.new_error_counts(device)
+    td.fill_(T + 3)
+    z = make_mla_inputs(cfg, "bf16", T=T, Td=T, device=device, seed=7)
+    call_mla(mlakv.mla_rope_cache, z, "bf16", num_decode_tokens=0, num_decode_tokens_device=td,
+             error_counts=counts)
+    assert mlakv.read_error_counts(counts)["bad_decode_count"] == 1
+
+
+@pytest.mark.parametrize("cfg,fmt", config_format_params())
+def test_fused_equals_unfused(cfg, fmt, device):
+    """DESIGN: the fused op and the unfused primitives write identical bytes."""
+    x = make_mla_inputs(cfg, fmt, device=device, seed=8)
+    scale = x.kv_cache_scale if fmt in FP8_FORMATS else None
+    fused = x.clone()
+    call_mla(mlakv.mla_rope_cache, fused, fmt)
+
+    u = x.clone()
+    T, Td = u.slot_mapping.shape[0], u.Td
+    kv_c = mlakv.rms_norm(u.kv_c[:T], u.kv_norm_weight, 1e-6)
+    k_pe = u.k_pe[:T].clone()
+    q_pe = u.q_pe[:T].clone()
+    mlakv.rotary_embedding(u.positions, q_pe, k_pe.view(T, 1, cfg.R), u.cos_sin_cache)
+    mlakv.rotary_embedding(u.positions, u.q[:, :, cfg.P:], None, u.cos_sin_cache)
+    mlakv.concat_and_cache_mla(kv_c, k_pe, u.kv_cache, u.slot_mapping, cache_format=fmt,
+                               kv_cache_scale=scale)
+    mlakv.decode_q_concat(u.ql_nope[:Td], q_pe[:Td], u.q_out[:Td])
+    assert_bytes_equal(fused.kv_cache, u.kv_cache)
+    assert_bytes_equal(fused.q_out, u.q_out)
+    assert_bytes_equal(fused.q[Td:], u.q[Td:])
+    assert_bytes_equal(fused.k_pe_out[:T], k_pe)
+    assert_bytes_equal(fused.kv_c_out[:T], kv_c)
+
+
+# ---- the unfused primitives --------------------------------------------------------------------
+@pytest.mark.parametrize("is_neox", [False, True])
+@pytest.mark.parametrize("layout", ["3d", "2d", "partial"])
+def test_rotary_embedding(is_neox, layout, device):
+    g = torch.Generator().manual_seed(10)
+    T, Hq, Hk, hs = 7, 5, 2, 96
+    rot = 32 if layout == "partial" else hs
+    table = mlakv.rope_cos_sin_cache(rot, 64, device=device)
+    positions = torch.randint(0, 64, (T,), generator=g).to(device)
+    q = torch.randn(T, Hq, hs, generator=g).to(torch.bfloat16).to(device)
+    k = torch.randn(T, Hk, hs, generator=g).to(torch.bfloat16).to(device)
+    if layout == "2d":
+        q, k = q.view(T, Hq * hs), k.view(T, Hk * hs)
+    q2, k2 = q.clone(), k.clone()
+    mlakv.rotary_embedding(positions, q, k, table, is_neox=is_neox, head_size=hs)
+    ref.rotary_embedding(positions, q2, k2, table, is_neox=is_neox, head_size=hs)
+    assert_bytes_equal(q, q2)
+    assert_bytes_equal(k, k2)
+
+
+@pytest.mark.parametrize("cfg,fmt", config_format_params())
+def test_concat_and_cache_mla(cfg, fmt, device):
+    x = make_mla_inputs(cfg, fmt, device=device, seed=11)
+    y = x.clone()
+    scale = x.kv_cache_scale if fmt in FP8_FORMATS else None
+    k_pe = x.k_pe.view(-1, 1, cfg.R)  # vLLM's [T, 1, R]
+    mlakv.concat_and_cache_mla(x.kv_c, k_pe, x.kv_cache, x.slot_mapping, cache_format=fmt,
+                               kv_cache_scale=scale)
+    ref.concat_and_cache_mla(y.kv_c, y.k_pe, y.kv_cache, y.slot_mapping, cache_format=fmt,
+                             kv_cache_scale=scale)
+    assert_bytes_equal(x.kv_cache, y.kv_cache)
+
+
+@pytest.mark.parametrize("pow2", [False, True])
+def test_concat_and_cache_ds_mla_scales(pow2, device):
+    cfg = TP8
+    x = make_mla_inputs(cfg, "fp8_ds_mla", device=device, seed=12)
+    x.kv_c[:, :128] *= 300.0    # a tile beyond e4m3's range before scaling
+    x.kv_c[:, 128:256] = 0.0    # an all-zero tile: scale FLT_MIN
+    y = x.clone()
+    for fn, inp in ((mlakv.concat_and_cache_mla, x), (ref.concat_and_cache_mla, y)):
+        fn(inp.kv_c, inp.k_pe, inp.kv_cache, inp.slot_mapping, cache_format="fp8_ds_mla",
+           ds_mla_pow2_scale=pow2)
+    assert_bytes_equal(x.kv_cache, y.kv_cache)
+
+
+def test_typed_caches(device):
+    """A typed bf16 / fp8 cache tensor holds the same bytes as the uint8 one."""
+    cfg = MINICPM3
+    for fmt in ["bf16", "fp16", "fp32", "fp8_e4m3", "fp8_e5m2"]:
+        x = make_mla_inputs(cfg, fmt, device=device, seed=13)
+        typed = x.kv_cache.clone().view(mlakv.cache_latent_dtype(fmt))
+        scale = x.kv_cache_scale if fmt in FP8_FORMATS else None
+        mlakv.concat_and_cache_mla(x.kv_c, x.k_pe, x.kv_cache, x.slot_mapping, cache_format=fmt,
+                                   kv_cache_scale=scale)
+        mlakv.concat_and_cache_mla(x.kv_c, x.k_pe, typed, x.slot_mapping, cache_format="auto",
+                                   kv_cache_scale=scale)
+        assert_bytes_equal(typed, x.kv_cache)
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2])
+def test_decode_q_concat(out_dtype, device):
+    cfg = CONFIGS[0]
+    g = torch.Generator().manual_seed(14)
+    T = 3
+    ql_nope = torch.randn(T, cfg.H, cfg.L, generator=g).to(torch.bfloat16).to(device)
+    q_pe = torch.randn(T, cfg.H, cfg.R, generator=g).to(torch.bfloat16).to(device)
+    q_scale = None
+    if out_dtype != torch.bfloat16:
+        q_scale = torch.tensor([0.02], dtype=torch.float32, device=device)
+    a = torch.zeros(T, cfg.H, cfg.L + cfg.R, dtype=out_dtype, device=device)
+    b = a.clone()
+    mlakv.decode_q_concat(ql_nope, q_pe, a, q_scale=q_scale)
+    ref.decode_q_concat(ql_nope, q_pe, b, q_scale=q_scale)
+    assert_bytes_equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("N", [64, 512, 1536, 7168])
+def test_rms_norm(dtype, N, device):
+    g = torch.Generator().manual_seed(15)
+    x = (torch.randn(9, N, generator=g) * 3).to(dtype).to(device)
+    w = (1 + 0.3 * torch.randn(N, generator=g)).to(dtype).to(device)
+    out = mlakv.rms_norm(x, w, 1e-6)
+    expected = ref.rms_norm(x, w, 1e-6)
+    if dtype == torch.float32:
+        # The kernel's fp32 sum of squares has its own rounding order: a few fp32 ulps.
+        torch.testing.assert_close(out, expected, rtol=2e-5, atol=1e-6)
+    else:
+        assert_ulp_close(out, expected, 1)
+    inplace = x.clone()
+    mlakv.rms_norm(inplace, w, 1e-6, out=inplace)
+    assert_bytes_equal(inplace, out)
+
+
+# ---- cache read-back ---------------------------------------------------------------------------
+@pytest.mark.parametrize("cfg,fmt", config_format_params())
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_gather_cache_slots(cfg, fmt, out_dtype, device):
+    x = make_mla_inputs(cfg, fmt, device=device, seed=16)
+    scale = x.kv_cache_scale if fmt in FP8_FORMATS else None
+    mlakv.concat_and_cache_mla(x.kv_c, x.k_pe, x.kv_cache, x.slot_mapping, cache_format=fmt,
+                               kv_cache_scale=scale)
+    num_slots = x.kv_cache.shape[0] * x.kv_cache.shape[1]
+    slots = torch.cat([x.slot_mapping, torch.tensor([-1, num_slots, 0], device=device)])
+    counts = mlakv.new_error_counts(device)
+    a = mlakv.gather_cache_slots(x.kv_cache, slots, kv_lora_rank=cfg.L, cache_format=fmt,
+                                 kv_cache_scale=scale, out_dtype=out_dtype, error_counts=counts)
+    e = ref.gather_cache_slots(x.kv_cache, slots, kv_lora_rank=cfg.L, cache_format=fmt,
+                               kv_cache_scale=scale, out_dtype=out_dtype)
+    assert a.shape == (slots.shape[0], cfg.L + cfg.R) and a.dtype == out_dtype
+    assert_bytes_equal(a, e)
+    assert mlakv.read_error_counts(counts)["bad_slot"] == 1
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8_e4m3", "fp8_ds_mla"])
+def test_gather_cache_sequences(fmt, device):
+    cfg = TP8
+    g = torch.Generator().manual_seed(17)
+    nb, bs = 8, 4
+    cache = mlakv.allocate_cache(nb, bs, cfg.L, cfg.R, fmt, device=device)
+    scale = torch.tensor([0.5], device=device) if fmt in FP8_FORMATS else None
+    kv_c = torch.randn(nb * bs, cfg.L, generator=g).to(torch.bfloat16).to(device)
+    k_pe = torch.randn(nb * bs, cfg.R, generator=g).to(torch.bfloat16).to(device)
+    mlakv.concat_and_cache_mla(kv_c, k_pe, cache, torch.arange(nb * bs, device=device),
+                               cache_format=fmt, kv_cache_scale=scale)
+    block_table = torch.tensor([[3, 1, 6], [0, 7, 2], [5, 99, 4]], dtype=torch.int32,
+                               device=device)
+    seq_lens = [5, 0, 9]
+    cu = torch.tensor([0, 5, 5, 14], dtype=torch.int32, device=device)
+    counts = mlakv.new_error_counts(device)
+    for rows in (sum(seq_lens), 16, 10):
+        a = mlakv.gather_cache_sequences(cache, block_table, cu, rows, kv_lora_rank=cfg.L,
+                                         cache_format=fmt, kv_cache_scale=scale,
+                                         error_counts=counts)
+        e = ref.gather_cache_sequences(cache, block_table, cu, rows, kv_lora_rank=cfg.L,
+                                       cache_format=fmt, kv_cache_scale=scale)
+        assert_bytes_equal(a, e)
+    assert mlakv.read_error_counts(counts)["bad_block_index"] > 0  # block 99
+
+
+# ---- errors ------------------------------------------------------------------------------------
+def test_errors_surface_as_python_exceptions(device):
+    cfg = TP8
+    x = make_mla_inputs(cfg, "bf16", device=device)
+    before = x.kv_cache.clone()
+    # Model dtype mismatch: the core names the argument.
+    with pytest.raises(RuntimeError, match="k_pe"):
+        mlakv.mla_rope_cache(x.positions, x.slot_mapping, x.cos_sin_cache, x.kv_c,
+                             x.k_pe.float(), x.kv_cache, cache_format="bf16")
+    # A cache whose entry does not hold L + R values.
+    with pytest.raises(RuntimeError, match="kv_cache"):
+        mlakv.concat_and_cache_mla(x.kv_c, x.k_pe, x.kv_cache[:, :, :-2], x.slot_mapping,
+                                   cache_format="bf16")
+    # Host Td past T.
+    with pytest.raises(RuntimeError, match="num_decode_tokens"):
+        call_mla(mlakv.mla_rope_cache, x, "bf16", num_decode_tokens=100)
+    # A uint8 cache needs an explicit format.
+    with pytest.raises(RuntimeError, match="cache_format"):
+        mlakv.concat_and_cache_mla(x.kv_c, x.k_pe, x.kv_cache, x.slot_mapping)
+    with pytest.raises(RuntimeError, match="cache_format|fp9"):
+        mlakv.concat_and_cache_mla(x.kv_c, x.k_pe, x.kv_cache, x.slot_mapping, cache_format="fp9")
+    # fp8_ds_mla only exists for L = 512, R = 64.
+    with pytest.raises(RuntimeError, match="fp8_ds_mla"):
+        mlakv.concat_and_cache_mla(x.kv_c[:, :256], x.k_pe, x.kv_cache, x.slot_mapping,
+                                   cache_format="fp8_ds_mla")
+    # A scale on a raw cache.
+    with pytest.raises(RuntimeError, match="scale"):
+        mlakv.concat_and_cache_mla(x.kv_c, x.k_pe, x.kv_cache, x.slot_mapping,
+                                   cache_format="bf16", kv_cache_scale=x.kv_cache_scale)
+    assert torch.equal(x.kv_cache, before), "a rejected op must write nothing"
+
+
+# ---- tables ------------------------------------------------------------------------------------
+def test_rope_tables():
+    t = mlakv.rope_cos_sin_cache(64, 32)
+    assert t.shape == (32, 64) and t.dtype == torch.float32
+    assert torch.all(t[0, :32] == 1) and torch.all(t[0, 32:] == 0)
+    inv_freq = 1.0 / 10000.0 ** (torch.arange(0, 64, 2, dtype=torch.float64) / 64)
+    assert torch.allclose(t[5, :32].double(), torch.cos(5 * inv_freq), atol=1e-7)
+    y = mlakv.yarn_cos_sin_cache(64, factor=40.0, original_max_position=4096)
+    assert y.shape == (163840, 64)
+    # High-frequency dims are extrapolated (unchanged), low-frequency ones interpolated.
+    assert torch.allclose(y[7, :4], t[7, :4])
+    b = mlakv.yarn_cos_sin_cache(64, max_position=100, dtype=torch.bfloat16)
+    assert_ulp_close(b, y[:100].to(torch.bfloat16), 1)  # one rounding vs. two
+    assert mlakv.yarn_get_mscale(40.0, 1.0) == pytest.approx(1 + 0.1 * math.log(40.0))

@@ -1,0 +1,216 @@
+"""torch.library.opcheck of every op, torch.compile(fullgraph=True) and CUDA-graph capture."""
+
+import pytest
+import torch
+
+import mlakv
+from mlakv import reference as ref
+
+from conftest import (CONFIGS, assert_bytes_equal, call_mla, make_mla_inputs, mla_kwargs,
+                      requires_cuda)
+
+TP8 = CONFIGS[1]
+OPS = torch.ops.mlakv
+
+
+def _mla_args(x, fmt, **kw):
+    k = mla_kwargs(x, fmt, **kw)
+    return (x.positions, x.slot_mapping, x.cos_sin_cache, False, x.kv_c, x.k_pe, x.kv_cache, fmt,
+            k.get("kv_cache_scale"), None, k.get("kv_norm_weight"), 1e-6, k.get("k_pe_out"),
+            k.get("kv_c_out"), k.get("q_pe"), k.get("ql_nope"), k.get("q_out"), None, k.get("q"),
+            None, x.Td, None, None, False)
+
+
+def fill_padding_slot(x):
+    """Gives the padding token a free slot (two tokens on one slot would race on a GPU)."""
+    num_slots = x.kv_cache.shape[0] * x.kv_cache.shape[1]
+    used = set(x.slot_mapping.tolist())
+    free = next(s for s in range(num_slots) if s not in used)
+    x.slot_mapping[x.slot_mapping < 0] = free
+
+
+def _opcheck(op, args):
+    torch.library.opcheck(op, args)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8_e4m3", "fp8_ds_mla"])
+def test_opcheck_mla_rope_cache(fmt, device):
+    x = make_mla_inputs(TP8, fmt, T=4, device=device)
+    _opcheck(OPS.mla_rope_cache.default, _mla_args(x, fmt))
+    # The decode-only form with a device Td and the error counters.
+    x = make_mla_inputs(TP8, fmt, T=4, Td=4, device=device)
+    args = list(_mla_args(x, fmt, prefill=False))
+    args[21] = torch.tensor([3], dtype=torch.int32, device=device)
+    args[22] = mlakv.new_error_counts(device)
+    _opcheck(OPS.mla_rope_cache.default, tuple(args))
+
+
+def test_opcheck_primitives(device):
+    x = make_mla_inputs(TP8, "bf16", T=4, device=device)
+    T = x.slot_mapping.shape[0]
+    _opcheck(OPS.rotary_embedding.default,
+             (x.positions, x.q[:T, :, TP8.P:], x.k_pe[:T].clone().view(T, 1, TP8.R), TP8.R,
+              x.cos_sin_cache, False, None))
+    _opcheck(OPS.concat_and_cache_mla.default,
+             (x.kv_c, x.k_pe, x.kv_cache, x.slot_mapping, "bf16", None, None,
+              mlakv.new_error_counts(device), False))
+    _opcheck(OPS.decode_q_concat.default, (x.ql_nope[:T], x.q_pe[:T], x.q_out[:T], None))
+    _opcheck(OPS.rms_norm.default, (torch.empty_like(x.kv_c), x.kv_c, x.kv_norm_weight, 1e-6))
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8_e5m2", "fp8_ds_mla"])
+def test_opcheck_gathers(fmt, device):
+    x = make_mla_inputs(TP8, fmt, T=4, device=device)
+    scale = x.kv_cache_scale if fmt.startswith("fp8_e") else None
+    mlakv.concat_and_cache_mla(x.kv_c, x.k_pe, x.kv_cache, x.slot_mapping, cache_format=fmt,
+                               kv_cache_scale=scale)
+    width = TP8.L + TP8.R
+    _opcheck(OPS.gather_cache_slots.default,
+             (x.kv_cache, fmt, scale, None, x.slot_mapping, TP8.L, torch.bfloat16))
+    _opcheck(OPS.gather_cache_slots_out.default,
+             (torch.empty(4, width, device=device), x.kv_cache, fmt, scale, None, x.slot_mapping,
+              TP8.L, mlakv.new_error_counts(device)))
+    block_table = torch.tensor([[1, 0], [3, 2]], dtype=torch.int32, device=device)
+    cu = torch.tensor([0, 5, 8], dtype=torch.int32, device=device)
+    _opcheck(OPS.gather_cache_sequences.default,
+             (x.kv_cache, fmt, scale, None, block_table, cu, 8, TP8.L, torch.float32))
+    _opcheck(OPS.gather_cache_sequences_out.default,
+             (torch.zeros(8, width, dtype=torch.bfloat16, device=device), x.kv_cache, fmt, scale,
+              None, block_table, cu, TP8.L, mlakv.new_error_counts(device)))
+
+
+def test_torch_compile_fullgraph(device):
+    """A decode step around the fused op compiles into one graph (fullgraph=True: a graph break
+    would raise) and gives the eager result."""
+    cfg = TP8
+
+    def step(positions, slot_mapping, table, kv_c, k_pe, kv_cache, q_pe, ql_nope, w):
+        T = slot_mapping.shape[0]
+        q_out = torch.empty(T, cfg.H, cfg.L + cfg.R, dtype=kv_c.dtype, device=kv_c.device)
+        mlakv.mla_rope_cache(positions, slot_mapping, table, kv_c * 1.5, k_pe, kv_cache,
+                             cache_format="bf16", kv_norm_weight=w, q_pe=q_pe, ql_nope=ql_nope,
+                             q_out=q_out, num_decode_tokens=T)
+        kv = mlakv.gather_cache_slots(kv_cache, slot_mapping, kv_lora_rank=cfg.L,
+                                      cache_format="bf16")
+        return q_out.float().sum(-1), kv
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True, dynamic=False)
+    x = make_mla_inputs(cfg, "bf16", T=4, Td=4, device=device)
+    fill_padding_slot(x)  # no padding: gather reads every row back
+    y = x.clone()
+    args = lambda v: (v.positions, v.slot_mapping, v.cos_sin_cache, v.kv_c, v.k_pe, v.kv_cache,
+                      v.q_pe, v.ql_nope, v.kv_norm_weight)
+    got = compiled(*args(x))
+    want = step(*args(y))
+    assert_bytes_equal(x.kv_cache, y.kv_cache)
+    torch.testing.assert_close(got[0], want[0])  # the compiled sum may add in another order
+    assert_bytes_equal(got[1], want[1])
+
+
+def test_fake_kernels_shapes():
+    """The gather ops' fake kernels give the real shapes and dtypes (FakeTensor mode)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    cfg = TP8
+    cache = mlakv.allocate_cache(4, 4, cfg.L, cfg.R, "fp8_ds_mla")
+    slots = torch.arange(6)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        out = mlakv.gather_cache_slots(cache, slots, kv_lora_rank=cfg.L,
+                                       cache_format="fp8_ds_mla", out_dtype=torch.bfloat16)
+        assert out.shape == (6, cfg.L + cfg.R) and out.dtype == torch.bfloat16
+        seq = mlakv.gather_cache_sequences(cache, torch.zeros(2, 2, dtype=torch.int32),
+                                           torch.tensor([0, 3, 7], dtype=torch.int32), 7,
+                                           kv_lora_rank=cfg.L, cache_format="fp8_ds_mla")
+        assert seq.shape == (7, cfg.L + cfg.R) and seq.dtype == torch.float32
+
+
+@requires_cuda
+def test_cuda_graph_capture_and_replay():
+    """The fused op with a device Td in a CUDA graph: replays with new inputs (new positions,
+    slots, values and a different decode/prefill split) equal eager runs."""
+    cfg = TP8
+    T = 8
+    x = make_mla_inputs(cfg, "fp8_e4m3", T=T, Td=T, device="cuda", seed=20)
+    td = torch.tensor([3], dtype=torch.int32, device="cuda")
+    kw = mla_kwargs(x, "fp8_e4m3", num_decode_tokens_device=td)
+    run = lambda: mlakv.mla_rope_cache(x.positions, x.slot_mapping, x.cos_sin_cache, x.kv_c,
+                                       x.k_pe, x.kv_cache, **kw)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        run()  # warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    for seed, split in ((21, 5), (22, 0), (23, T)):
+        new = make_mla_inputs(cfg, "fp8_e4m3", T=T, Td=split, device="cuda", seed=seed)
+        for name in ("positions", "slot_mapping", "kv_c", "k_pe", "kv_norm_weight", "q_pe",
+                     "ql_nope", "q", "kv_cache", "q_out", "k_pe_out", "kv_c_out"):
+            getattr(x, name).copy_(getattr(new, name))
+        td.fill_(split)
+        graph.replay()
+        torch.cuda.synchronize()
+        call_mla(mlakv.mla_rope_cache, new, "fp8_e4m3")
+        for name in ("kv_cache", "q_out", "q", "k_pe_out", "kv_c_out"):
+            assert_bytes_equal(getattr(x, name), getattr(new, name))
+
+
+@requires_cuda
+def test_cuda_matches_cpu_and_uses_current_stream():
+    cfg = TP8
+    x = make_mla_inputs(cfg, "fp8_ds_mla", T=16, Td=6, device="cpu", seed=24)
+    y = x.clone()
+    for name, v in vars(y).items():
+        if isinstance(v, torch.Tensor):
+            setattr(y, name, v.cuda())
+    call_mla(mlakv.mla_rope_cache, x, "fp8_ds_mla")
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        call_mla(mlakv.mla_rope_cache, y, "fp8_ds_mla")
+    side.synchronize()
+    for name in ("kv_cache", "q_out", "q", "k_pe_out"):
+        assert_bytes_equal(getattr(y, name), getattr(x, name))
+    # RMSNorm's sum order may differ between backends: 1 ulp.
+    from conftest import assert_ulp_close
+    assert_ulp_close(y.kv_c_out, x.kv_c_out, 1)
+
+
+@requires_cuda
+def test_cuda_device_mismatch_is_an_error():
+    cfg = TP8
+    x = make_mla_inputs(cfg, "bf16", device="cuda")
+    with pytest.raises(RuntimeError):
+        mlakv.mla_rope_cache(x.positions.cpu(), x.slot_mapping, x.cos_sin_cache, x.kv_c, x.k_pe,
+                             x.kv_cache, cache_format="bf16")
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8_e4m3"])
+def test_reference_matches_plain_torch_decode_path(fmt):
+    """The plain PyTorch decode path used by the benchmark agrees with the reference to fp32
+    rounding (it uses no fma)."""
+    cfg = TP8
+    x = make_mla_inputs(cfg, fmt, T=5, Td=5, device="cpu", seed=25)
+    fill_padding_slot(x)
+    y = x.clone()
+    scale = x.kv_cache_scale if fmt == "fp8_e4m3" else None
+    typed = x.kv_cache.view(mlakv.cache_latent_dtype(fmt))
+    ref.torch_mla_rope_cache_decode(x.positions, x.slot_mapping, x.cos_sin_cache, x.kv_c, x.k_pe,
+                                    typed, x.q_pe, x.q_out, kv_cache_scale=scale)
+    call_mla(ref.mla_rope_cache, y, fmt, norm=False, prefill=False, ql_nope=None)
+    tol = 1e-2 if fmt == "bf16" else 0.15
+    torch.testing.assert_close(typed.float(), y.kv_cache.view(typed.dtype).float(), rtol=tol,
+                               atol=tol)
+    torch.testing.assert_close(x.q_out.float(), y.q_out.float(), rtol=1e-2, atol=1e-2)
+
+
+def test_core_is_torch_free():
+    """STYLE habit 1: nothing under include/ or src/ includes a torch header."""
+    import pathlib
+    import re
+    root = pathlib.Path(__file__).resolve().parents[2]
+    pattern = re.compile(r'#\s*include\s*[<"](torch|ATen|c10|pybind11)/')
+    offenders = [str(p.relative_to(root)) for folder in ("include", "src")
+                 for p in (root / folder).rglob("*")
+                 if p.suffix in (".h", ".cpp", ".cu", ".cuh") and pattern.search(p.read_text())]
+    assert not offenders, f"torch headers in the core: {offenders}"

@@ -1,0 +1,97 @@
+// mlakv torch binding: at::Tensor -> mlakv views, the per-device op environment, error translation.
+//
+// Shared by every torch/*.cpp. An op entry is a template over its environment (CpuEnv, CudaEnv):
+// the environment holds the device guard and fills the mlakv::Context (stream, threads, error
+// counters), so one function body serves both dispatch keys.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/string_view.h>
+#include <torch/library.h>
+
+#include <optional>
+#include <string>
+#include <utility>
+
+#include "mlakv/mlakv.h"
+
+#ifdef MLAKV_TORCH_CUDA
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#endif
+
+namespace mlakv {
+namespace torch_binding {
+
+using OptTensor = std::optional<at::Tensor>;
+
+// The mlakv dtype of a torch dtype; `name` is the argument named in the error.
+DType to_dtype(const char* name, at::ScalarType type);
+Device to_device(const char* name, const at::Device& device);
+
+// A view of `t` (1 to 4 dims); strides in elements. An absent optional gives an absent view.
+TensorView to_view(const char* name, const at::Tensor& t);
+TensorView to_view(const char* name, const OptTensor& t);
+// `t` with a leading [T, 1, N] squeezed to [T, N] (vLLM passes k_pe as [T, 1, R]).
+TensorView to_view_squeeze_heads(const char* name, const at::Tensor& t);
+
+// An fp32 scalar in device memory (scale tensors): nullptr when absent.
+const float* to_scale(const char* name, const OptTensor& t, const at::Device& device);
+
+// The cache format: an mlakv name ("bf16", "fp8_e4m3", "fp8_ds_mla", ...), "fp8" for fp8_e4m3,
+// or "auto" for the format of a typed cache tensor.
+CacheFormat to_cache_format(c10::string_view name, const at::Tensor& kv_cache);
+
+// A KVCacheView of kv_cache [num_blocks, block_size, entry] (uint8 bytes for every format, or the
+// format's own element type for the raw and per-tensor fp8 formats; byte strides), or of the split
+// pair kv_cache [.., L] + kv_cache_rope [.., R]. L = kv_lora_rank; R = rope_dim, or derived from
+// the entry width when rope_dim < 0.
+KVCacheView to_cache_view(const at::Tensor& kv_cache, c10::string_view cache_format,
+                          const OptTensor& kv_cache_scale, const OptTensor& kv_cache_rope,
+                          int64_t kv_lora_rank, int64_t rope_dim, bool ds_mla_pow2_scale);
+
+// L + R of a cache (what the gather ops return per row).
+int64_t cache_entry_width(const KVCacheView& cache);
+
+// The optional int32 [>= kNumErrorCounters] error counters on `device`.
+int32_t* to_error_counts(const OptTensor& error_counts, const at::Device& device);
+
+// Runs `fn` and turns an mlakv::Error into a c10::Error (a Python RuntimeError) carrying the core's
+// message.
+template <typename Fn>
+decltype(auto) translate_errors(Fn&& fn) {
+  try {
+    return std::forward<Fn>(fn)();
+  } catch (const Error& e) {
+    TORCH_CHECK(false, e.what());
+  }
+}
+
+// CPU ops: torch's intra-op thread count.
+struct CpuEnv {
+  CpuEnv(const at::Tensor& device_tensor, const OptTensor& error_counts) {
+    TORCH_CHECK(device_tensor.is_cpu(), "mlakv: CPU kernel called with a tensor on ",
+                device_tensor.device());
+    ctx.num_threads = at::get_num_threads();
+    ctx.error_counts = to_error_counts(error_counts, device_tensor.device());
+  }
+  Context ctx;
+};
+
+#ifdef MLAKV_TORCH_CUDA
+// CUDA ops: the tensor's device is made current and the op runs on torch's current stream of
+// that device, so it orders with surrounding torch work and is captured by CUDA graphs.
+struct CudaEnv {
+  CudaEnv(const at::Tensor& device_tensor, const OptTensor& error_counts)
+      : guard(device_tensor.device()) {
+    ctx.stream = at::cuda::getCurrentCUDAStream(device_tensor.device().index()).stream();
+    ctx.error_counts = to_error_counts(error_counts, device_tensor.device());
+  }
+  c10::cuda::CUDAGuard guard;
+  Context ctx;
+};
+#endif
+
+}  // namespace torch_binding
+}  // namespace mlakv
