@@ -1,0 +1,232 @@
+// mlakv CUDA backend: launchers of the fused MLA RoPE + KV-cache op and of the two unfused
+// primitives that run through the same kernel (concat_and_cache_mla, decode_q_concat).
+#include <algorithm>
+#include <type_traits>
+
+#include "core/backend.h"
+#include "cuda/cuda_utils.h"
+#include "cuda/mla_rope_cache.h"
+
+namespace mlakv {
+namespace cuda {
+namespace {
+
+constexpr int kRopeSlotsHost = 8;  // mla_rope_cache_kernel.cuh kRopeSlots
+constexpr int kCopySlotsHost = 4;  // mla_rope_cache_kernel.cuh kCopySlots
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+CopyList make_copy_list(const void* src, int64_t stride_src_token, int64_t stride_src_head,
+                        void* dst, int64_t stride_dst_token, int64_t stride_dst_head,
+                        int64_t token_begin, int64_t token_end, int64_t H, int64_t row_elems) {
+  CopyList c;
+  if (token_end <= token_begin || row_elems <= 0 || H <= 0) return c;
+  c.src = src;
+  c.stride_src_token = stride_src_token;
+  c.stride_src_head = stride_src_head;
+  c.dst = dst;
+  c.stride_dst_token = stride_dst_token;
+  c.stride_dst_head = stride_dst_head;
+  c.row_begin = token_begin * H;
+  c.row_end = token_end * H;
+  c.row_elems = row_elems;
+  c.chunks_per_row = ceil_div(row_elems, 8);
+  const int64_t spr = ceil_div(c.chunks_per_row, 32);
+  c.slots_per_row = static_cast<int32_t>(std::min<int64_t>(spr, 1 << 30));
+  c.rows_per_item = spr <= kCopySlotsHost ? static_cast<int32_t>(kCopySlotsHost / spr) : 1;
+  c.num_items = ceil_div(c.row_end - c.row_begin, c.rows_per_item);
+  return c;
+}
+
+// The work lists of one launch. Host Td: each Q list covers exactly its rows. Device Td: both
+// decode and prefill lists cover all T rows and the kernel skips the rows on the other side.
+MlaRopeCacheKernelParams make_params(const core::MlaRopeCacheArgs& a, bool apply_rope,
+                                     int32_t* error_counts) {
+  MlaRopeCacheKernelParams p;
+  p.args = a;
+  p.apply_rope = apply_rope;
+  p.error_counts = error_counts;
+  const int64_t T = a.num_tokens;
+  const int64_t H = a.num_heads;
+  const bool device_td = a.num_decode_tokens_device != nullptr;
+  const int64_t td = std::min<int64_t>(std::max<int64_t>(a.num_decode_tokens, 0), T);
+  const int64_t decode_end = device_td ? T : td;
+  const int64_t prefill_begin = device_td ? 0 : td;
+  const bool has_decode = a.q_out != nullptr && H > 0 && decode_end > 0;
+  const bool has_prefill = a.q != nullptr && H > 0 && prefill_begin < T;
+
+  p.num_k_items = a.kv_c != nullptr ? T : 0;
+
+  const int64_t half = a.rope_dim / 2;
+  const int64_t ppl = std::max<int64_t>(1, ceil_div(half, 32));
+  p.rope_pairs_per_lane = static_cast<int32_t>(ppl);
+  p.rope_heads_per_item = static_cast<int32_t>(std::max<int64_t>(1, kRopeSlotsHost / ppl));
+  p.rope_groups_per_token = H > 0 ? ceil_div(H, p.rope_heads_per_item) : 1;
+  if (has_decode || has_prefill) {
+    p.rope_token_begin = has_decode ? 0 : prefill_begin;
+    const int64_t rope_token_end = has_prefill ? T : decode_end;
+    p.num_rope_items =
+        half > 0 ? (rope_token_end - p.rope_token_begin) * p.rope_groups_per_token : 0;
+  }
+  if (has_decode && a.copy_nope && a.ql_nope != nullptr) {
+    p.decode_copy =
+        make_copy_list(a.ql_nope, a.stride_ql_nope_token, a.stride_ql_nope_head, a.q_out,
+                       a.stride_q_out_token, a.stride_q_out_head, 0, decode_end, H, a.kv_lora_rank);
+  }
+  if (has_prefill && a.q_prefill_out != nullptr) {
+    p.prefill_copy = make_copy_list(a.q, a.stride_q_token, a.stride_q_head, a.q_prefill_out,
+                                    a.stride_q_prefill_out_token, a.stride_q_prefill_out_head,
+                                    prefill_begin, T, H, a.nope_dim);
+  }
+  p.num_items =
+      p.num_k_items + p.num_rope_items + p.decode_copy.num_items + p.prefill_copy.num_items;
+  return p;
+}
+
+// 16-byte accesses are safe when every pointer and stride the kernel touches allows them (and the
+// prefill nope part is whole chunks, so its rope part starts 16-byte aligned too).
+bool vec_ok(const core::MlaRopeCacheArgs& a) {
+  const int64_t elem = static_cast<int64_t>(dtype_size(a.model_dtype));
+  const int64_t q_out_elem =
+      a.q_out != nullptr ? static_cast<int64_t>(dtype_size(a.q_out_dtype)) : elem;
+  VecCheck v;
+  v.ptr(a.kv_c).stride(a.stride_kv_c_token, elem);
+  v.ptr(a.k_pe).stride(a.stride_k_pe_token, elem);
+  v.ptr(a.kv_norm_weight);
+  v.ptr(a.kv_c_out).stride(a.stride_kv_c_out_token, elem);
+  v.ptr(a.k_pe_out).stride(a.stride_k_pe_out_token, elem);
+  v.ptr(a.cache.data)
+      .stride_bytes(a.cache.stride_block_bytes)
+      .stride_bytes(a.cache.stride_token_bytes);
+  v.ptr(a.cache.rope_data)
+      .stride_bytes(a.cache.stride_rope_block_bytes)
+      .stride_bytes(a.cache.stride_rope_token_bytes);
+  v.ptr(a.q_pe).stride(a.stride_q_pe_token, elem).stride(a.stride_q_pe_head, elem);
+  v.ptr(a.ql_nope).stride(a.stride_ql_nope_token, elem).stride(a.stride_ql_nope_head, elem);
+  v.ptr(a.q_out).stride(a.stride_q_out_token, q_out_elem).stride(a.stride_q_out_head, q_out_elem);
+  v.ptr(a.q).stride(a.stride_q_token, elem).stride(a.stride_q_head, elem);
+  v.ptr(a.q_prefill_out)
+      .stride(a.stride_q_prefill_out_token, elem)
+      .stride(a.stride_q_prefill_out_head, elem);
+  v.require(a.q == nullptr || a.nope_dim % 8 == 0);
+  v.require(a.kv_lora_rank % 8 == 0);
+  return v.ok();
+}
+
+template <typename T, CacheFormat kFormat, typename QOut>
+void dispatch_vec(const MlaRopeCacheKernelParams& p, bool vec, cudaStream_t stream) {
+  if (vec) {
+    launch_mla_rope_cache_kernel<T, kFormat, QOut, true>(p, stream);
+  } else {
+    launch_mla_rope_cache_kernel<T, kFormat, QOut, false>(p, stream);
+  }
+}
+
+template <typename T, CacheFormat kFormat>
+void dispatch_q_out(const MlaRopeCacheKernelParams& p, bool vec, cudaStream_t stream) {
+  if (p.args.q_out == nullptr || p.args.q_out_dtype == p.args.model_dtype) {
+    dispatch_vec<T, kFormat, T>(p, vec, stream);
+    return;
+  }
+  switch (p.args.q_out_dtype) {
+    case DType::kFloat8E4M3:
+      dispatch_vec<T, kFormat, num::Fp8E4M3>(p, vec, stream);
+      return;
+    case DType::kFloat8E5M2:
+      dispatch_vec<T, kFormat, num::Fp8E5M2>(p, vec, stream);
+      return;
+    default:
+      MLAKV_FAIL("q_out: expected the model dtype ", dtype_name(p.args.model_dtype),
+                 " or a float8 dtype, got ", dtype_name(p.args.q_out_dtype));
+  }
+}
+
+template <typename T>
+void dispatch_format(const MlaRopeCacheKernelParams& p, bool vec, cudaStream_t stream) {
+  switch (p.args.cache.format) {
+    case CacheFormat::kBFloat16:
+      return dispatch_q_out<T, CacheFormat::kBFloat16>(p, vec, stream);
+    case CacheFormat::kFloat16:
+      return dispatch_q_out<T, CacheFormat::kFloat16>(p, vec, stream);
+    case CacheFormat::kFloat32:
+      return dispatch_q_out<T, CacheFormat::kFloat32>(p, vec, stream);
+    case CacheFormat::kFloat8E4M3:
+      return dispatch_q_out<T, CacheFormat::kFloat8E4M3>(p, vec, stream);
+    case CacheFormat::kFloat8E5M2:
+      return dispatch_q_out<T, CacheFormat::kFloat8E5M2>(p, vec, stream);
+    case CacheFormat::kFloat8DsMla:
+      // The validator admits fp8_ds_mla with a bfloat16 model only; only that is instantiated.
+      if constexpr (std::is_same_v<T, num::Bf16>) {
+        return dispatch_q_out<T, CacheFormat::kFloat8DsMla>(p, vec, stream);
+      } else {
+        MLAKV_FAIL("kv_cache: fp8_ds_mla needs a bfloat16 model dtype, got ",
+                   dtype_name(p.args.model_dtype));
+      }
+  }
+  MLAKV_FAIL("kv_cache: unknown cache format ", static_cast<int>(p.args.cache.format));
+}
+
+void run(const core::MlaRopeCacheArgs& a, bool apply_rope, const Context& ctx) {
+  if (a.num_tokens <= 0) return;
+  MLAKV_CHECK(a.kv_lora_rank <= 1024 && a.kv_lora_rank % 8 == 0, "kv_c: expected L <= 1024 and ",
+              "a multiple of 8 on the CUDA backend, got ", a.kv_lora_rank);
+  MLAKV_CHECK(a.rope_dim <= 256 && a.rope_dim % 2 == 0, "k_pe: expected an even R <= 256 on the ",
+              "CUDA backend, got ", a.rope_dim);
+  int32_t* error_counts = a.error_counts != nullptr ? a.error_counts : ctx.error_counts;
+  const MlaRopeCacheKernelParams p = make_params(a, apply_rope, error_counts);
+  if (p.num_items <= 0) return;
+  const bool vec = vec_ok(a);
+  auto stream = static_cast<cudaStream_t>(ctx.stream);
+  MLAKV_MODEL_DTYPE_SWITCH(a.model_dtype, "kv_c", T, [&] { dispatch_format<T>(p, vec, stream); });
+}
+
+}  // namespace
+
+void mla_rope_cache(const core::MlaRopeCacheArgs& args, const Context& ctx) {
+  run(args, /*apply_rope=*/true, ctx);
+}
+
+void concat_and_cache_mla(const core::ConcatAndCacheMlaArgs& args, const Context& ctx) {
+  core::MlaRopeCacheArgs a;
+  a.num_tokens = args.num_tokens;
+  a.kv_lora_rank = args.kv_lora_rank;
+  a.rope_dim = args.rope_dim;
+  a.model_dtype = args.model_dtype;
+  a.slot_mapping = args.slot_mapping;
+  a.kv_c = args.kv_c;
+  a.stride_kv_c_token = args.stride_kv_c_token;
+  a.k_pe = args.k_pe;
+  a.stride_k_pe_token = args.stride_k_pe_token;
+  a.cache = args.cache;
+  a.error_counts = args.error_counts;
+  run(a, /*apply_rope=*/false, ctx);
+}
+
+void decode_q_concat(const core::DecodeQConcatArgs& args, const Context& ctx) {
+  if (args.num_heads <= 0) return;
+  core::MlaRopeCacheArgs a;
+  a.num_tokens = args.num_tokens;
+  a.num_heads = args.num_heads;
+  a.kv_lora_rank = args.kv_lora_rank;
+  a.rope_dim = args.rope_dim;
+  a.num_decode_tokens = args.num_tokens;
+  a.model_dtype = args.model_dtype;
+  a.q_pe = args.q_pe;
+  a.stride_q_pe_token = args.stride_q_pe_token;
+  a.stride_q_pe_head = args.stride_q_pe_head;
+  a.ql_nope = args.ql_nope;
+  a.stride_ql_nope_token = args.stride_ql_nope_token;
+  a.stride_ql_nope_head = args.stride_ql_nope_head;
+  a.copy_nope = args.ql_nope != nullptr;
+  a.q_out = args.q_out;
+  a.stride_q_out_token = args.stride_q_out_token;
+  a.stride_q_out_head = args.stride_q_out_head;
+  a.q_out_dtype = args.q_out_dtype;
+  a.q_scale = args.q_scale;
+  // No K side: the cache format only picks an instantiation.
+  a.cache.format = CacheFormat::kBFloat16;
+  run(a, /*apply_rope=*/false, ctx);
+}
+
+}  // namespace cuda
+}  // namespace mlakv

@@ -1,0 +1,55 @@
+// mlakv CUDA backend: the fused MLA RoPE + KV-cache kernel and its launcher. The same kernel also
+// runs the unfused concat_and_cache_mla (K side without RoPE) and decode_q_concat (decode Q side
+// without RoPE), so fused and unfused paths share every byte-producing line of code.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "core/args.h"
+#include "mlakv/cache.h"
+
+namespace mlakv {
+namespace cuda {
+
+// One streaming-copy work list of the fused kernel: the nope part of rows (t, h), flat row index
+// t * H + h in [row_begin, row_end).
+struct CopyList {
+  const void* src = nullptr;  // [T, H, >= row_elems], model dtype
+  int64_t stride_src_token = 0, stride_src_head = 0;
+  void* dst = nullptr;  // [T, H, >= row_elems], model dtype or fp8 (decode q_out)
+  int64_t stride_dst_token = 0, stride_dst_head = 0;
+  int64_t row_begin = 0, row_end = 0;
+  int64_t row_elems = 0;       // L (decode) or P (prefill)
+  int64_t chunks_per_row = 0;  // ceil(row_elems / 8)
+  int32_t slots_per_row = 1;   // ceil(chunks_per_row / 32): chunks of one row per lane
+  int32_t rows_per_item = 1;   // 4 / slots_per_row rows per warp item (1 when a row needs more)
+  int64_t num_items = 0;
+};
+
+struct MlaRopeCacheKernelParams {
+  core::MlaRopeCacheArgs args;  // validated; the rope fields are unused when !apply_rope
+  bool apply_rope = true;       // false: concat_and_cache_mla / decode_q_concat (no rotation)
+  int32_t* error_counts = nullptr;
+
+  // Warp work items, in this order: K side (one per token), rope (one per token and group of
+  // heads), decode nope copy, prefill nope copy.
+  int64_t num_k_items = 0;
+  int64_t rope_token_begin = 0;
+  int64_t rope_groups_per_token = 1;  // ceil(H / rope_heads_per_item)
+  int32_t rope_pairs_per_lane = 1;    // ceil(R / 2 / 32)
+  int32_t rope_heads_per_item = 1;    // 8 / rope_pairs_per_lane
+  int64_t num_rope_items = 0;
+  CopyList decode_copy;   // ql_nope -> q_out nope part, rows t < Td
+  CopyList prefill_copy;  // q nope part -> q_prefill_out, rows t >= Td
+  int64_t num_items = 0;  // all of the above
+};
+
+// The kernel for model type T, cache format kFormat, q_out element type QOut and the vector-access
+// flag (mla_rope_cache_kernel.cuh; instantiated in mla_rope_cache_{bf16,fp16,fp32}.cu).
+template <typename T, CacheFormat kFormat, typename QOut, bool kVec>
+void launch_mla_rope_cache_kernel(const MlaRopeCacheKernelParams& params, cudaStream_t stream);
+
+}  // namespace cuda
+}  // namespace mlakv

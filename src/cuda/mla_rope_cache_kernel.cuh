@@ -1,0 +1,431 @@
+// mlakv CUDA backend: the fused MLA RoPE + KV-cache kernel (one launch for the K side, the decode Q
+// side and the prefill Q side of a mixed batch).
+//
+// Work is a flat list of warp items; block b's warp w takes item b * 4 + w (one item per warp, no
+// grid-stride loop: such a loop keeps the invariants of every item kind live at once, which tripled
+// the register count):
+//
+//   [0, T)                     K item, one token t:
+//                                lane l holds kv_c chunks k = l, l + 32, ... (8 elements each):
+//                                  kv_c[t] |c0 c1 ... c31|c32 ... c63|   (L = 512: 2 per lane)
+//                                           l0 l1 ... l31 l0  ... l31
+//                                and k_pe pairs p = l, l + 32, ... (R = 64: one pair per lane).
+//                                RMSNorm: the row -> per-warp shared memory -> 16 partial sums of
+//                                squares in the CPU backend's order -> shuffles; the weight goes
+//                                global -> shared by cp.async, in flight with the row loads.
+//                                fp8_ds_mla: the 16 lanes holding one 128-value tile reduce its
+//                                amax by xor shuffles.
+//                                Cache entry (combined layout, bytes):
+//                                  [0, L*c) latent | [L*c, (L+R)*c) rope            raw / fp8
+//                                  [0,512) e4m3 | [512,528) 4 fp32 scales | [528,656) bf16 rope
+//   [T, T + T*G)               rope item, one token t and up to 8 / ppl heads (G groups per token):
+//                                slot s < 8 of lane l: head h0 + s / ppl, pair l + 32 * (s % ppl)
+//                                (ppl = pairs per lane = ceil(R / 64)); all pair loads of the item
+//                                are in flight together. t < Td: q_pe -> q_out[t, h, L:];
+//                                t >= Td: q[t, h, P:] -> in place or q_prefill_out[t, h, P:].
+//   then decode copy items     ql_nope[t, h, :L] -> q_out[t, h, :L] (converted / quantized), rows
+//                                t < Td; slot s < 4 of lane l: row r0 + s / spr, chunk
+//                                l + 32 * (s % spr) (spr = ceil(L / 256)): a pure streaming copy of
+//                                16-byte chunks, 4 per lane in flight, no shared memory.
+//   then prefill copy items    q[t, h, :P] -> q_prefill_out[t, h, :P], rows t >= Td, same mapping.
+//
+// Aliasing: k_pe_out may be k_pe, kv_c_out may be kv_c, q_out's rope part may be q_pe,
+// q_prefill_out may be q: each element is read and written by the same lane, all reads before the
+// writes. Td from the device is read by every warp (never on the host), clamped to [0, T]; block 0
+// counts.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "common/numerics.h"
+#include "cuda/cuda_utils.h"
+#include "cuda/device_common.cuh"
+#include "cuda/mla_rope_cache.h"
+#include "cuda/vec.cuh"
+
+namespace mlakv {
+namespace cuda {
+
+constexpr int kMlaThreads = 128;
+constexpr int kMlaWarps = kMlaThreads / kWarpSize;
+constexpr int kMaxLatent = 1024;  // DESIGN.md: L <= 1024
+constexpr int kMaxLatentChunksPerLane = kMaxLatent / kChunkElems / kWarpSize;  // 4
+constexpr int kMaxRopePairsPerLane = 256 / 2 / kWarpSize;                      // R <= 256: 4
+constexpr int kRopeSlots = 8;
+constexpr int kCopySlots = 4;
+
+namespace mla_detail {
+
+// a[j] for a run-time j < 4 without dynamic register indexing.
+__device__ __forceinline__ float pick(const float (&a)[kMaxRopePairsPerLane], int j) {
+  float r = a[0];
+#pragma unroll
+  for (int i = 1; i < kMaxRopePairsPerLane; ++i) {
+    if (j == i) r = a[i];
+  }
+  return r;
+}
+
+template <typename T, CacheFormat kFormat, bool kVec>
+__device__ __forceinline__ void k_side_item(const MlaRopeCacheKernelParams& p, int64_t t, int lane,
+                                            float* sq, T* w_smem, float cache_scale) {
+  // sq: per-warp scratch of kMaxLatent floats (the row, as T, for the RMSNorm sum).
+  using Latent = typename CacheTraits<kFormat>::Latent;
+  using RopeT = typename CacheTraits<kFormat>::Rope;
+  const core::MlaRopeCacheArgs& a = p.args;
+  const int64_t L = a.kv_lora_rank;
+  const int half = static_cast<int>(a.rope_dim / 2);
+  const int cpr = static_cast<int>(L / kChunkElems);
+  const bool has_norm = a.kv_norm_weight != nullptr;
+  const bool neox = p.apply_rope && a.rope.style == RopeStyle::kNeox;
+
+  // Every input of the token is requested before the first use.
+  const int64_t slot = load_index(a.slot_mapping, t);
+  int64_t pos = 0;
+  if (p.apply_rope) {
+    pos = clamped_position(a.positions, a.rope.max_pos, t, lane == 0 ? p.error_counts : nullptr);
+  }
+  const T* kv_c = static_cast<const T*>(a.kv_c) + t * a.stride_kv_c_token;
+  const T* weight = static_cast<const T*>(a.kv_norm_weight);
+  Chunk<T> x[kMaxLatentChunksPerLane];
+#pragma unroll
+  for (int s = 0; s < kMaxLatentChunksPerLane; ++s) {
+    const int k = lane + kWarpSize * s;
+    if (k < cpr) {
+      x[s] = load_chunk<kVec>(kv_c + k * kChunkElems, kChunkElems);
+      // The weight goes straight to shared memory (no registers held while the loads fly).
+      if (kVec && has_norm) copy_chunk_async(w_smem + k * kChunkElems, weight + k * kChunkElems);
+    }
+  }
+  if (kVec && has_norm) cp_async_commit();
+  const T* k_pe = static_cast<const T*>(a.k_pe) + t * a.stride_k_pe_token;
+  Pair<T> r[kMaxRopePairsPerLane];
+  float cs[kMaxRopePairsPerLane] = {};
+  float sn[kMaxRopePairsPerLane] = {};
+#pragma unroll
+  for (int j = 0; j < kMaxRopePairsPerLane; ++j) {
+    const int pr = lane + kWarpSize * j;
+    if (pr < half) {
+      r[j] = load_pair<kVec>(k_pe, pair_first(neox, pr), pair_second(neox, pr, half), !neox);
+      if (p.apply_rope) {
+        cs[j] = load_table(a.rope, pos, pr);
+        sn[j] = load_table(a.rope, pos, half + pr);
+      }
+    }
+  }
+
+  if (has_norm) {
+    // The row is copied to shared memory as it is (the 16 partial sums read it across lanes); the
+    // float values are formed from the packed registers only where they are used, so no float copy
+    // of the row stays live across the reduction.
+    T* row = reinterpret_cast<T*>(sq);
+#pragma unroll
+    for (int s = 0; s < kMaxLatentChunksPerLane; ++s) {
+      const int k = lane + kWarpSize * s;
+      if (k < cpr) *reinterpret_cast<Chunk<T>*>(row + k * kChunkElems) = x[s];
+    }
+    const float acc = accumulate_squares(row, 0, L, 0.0f, lane);
+    const float inv_rms = num::rms_inv(combine_partial_sums(acc, lane), L, a.kv_norm_eps);
+    if (kVec) cp_async_wait_all();  // this lane's own weight chunks have landed
+#pragma unroll
+    for (int s = 0; s < kMaxLatentChunksPerLane; ++s) {
+      const int k = lane + kWarpSize * s;
+      if (k < cpr) {
+        const Chunk<T> w = kVec ? *reinterpret_cast<const Chunk<T>*>(w_smem + k * kChunkElems)
+                                : load_chunk<kVec>(weight + k * kChunkElems, kChunkElems);
+#pragma unroll
+        for (int e = 0; e < kChunkElems; ++e) {
+          x[s].v[e] = num::from_float<T>(
+              num::rms_apply(num::to_float(x[s].v[e]), inv_rms, num::to_float(w.v[e])));
+        }
+      }
+    }
+    __syncwarp();  // the row buffer is rewritten by the warp's next token only after every read
+  }
+  if (p.apply_rope) {
+#pragma unroll
+    for (int j = 0; j < kMaxRopePairsPerLane; ++j) {
+      if (lane + kWarpSize * j < half) r[j] = rotate_pair(r[j], cs[j], sn[j]);
+    }
+  }
+
+  if (a.kv_c_out != nullptr) {
+    T* out = static_cast<T*>(a.kv_c_out) + t * a.stride_kv_c_out_token;
+#pragma unroll
+    for (int s = 0; s < kMaxLatentChunksPerLane; ++s) {
+      const int k = lane + kWarpSize * s;
+      if (k < cpr) store_chunk<kVec>(out + k * kChunkElems, x[s], kChunkElems);
+    }
+  }
+  if (a.k_pe_out != nullptr) {
+    T* out = static_cast<T*>(a.k_pe_out) + t * a.stride_k_pe_out_token;
+#pragma unroll
+    for (int j = 0; j < kMaxRopePairsPerLane; ++j) {
+      const int pr = lane + kWarpSize * j;
+      if (pr < half) {
+        store_pair<kVec>(out, pair_first(neox, pr), pair_second(neox, pr, half), !neox, r[j]);
+      }
+    }
+  }
+
+  // slot is the same on every lane: the whole warp leaves or writes together.
+  if (slot < 0) return;
+  if (slot >= a.cache.num_slots) {
+    if (lane == 0) count_error(p.error_counts, kBadSlot);
+    return;
+  }
+  const int64_t block = slot / a.cache.block_size;
+  const EntryPtrs entry =
+      cache_entry_at<kFormat>(a.cache, block, slot - block * a.cache.block_size, L);
+  Latent* latent = reinterpret_cast<Latent*>(entry.latent);
+  if constexpr (kFormat == CacheFormat::kFloat8DsMla) {
+    constexpr int kLanesPerTile = static_cast<int>(kDsMlaTileElems / kChunkElems);  // 16
+#pragma unroll
+    for (int s = 0; s < kMaxLatentChunksPerLane; ++s) {
+      // L = 512 (validated): 64 chunks, so s = 0, 1 hold a chunk on every lane and the shuffles
+      // see the full warp; tile k / 16 is held by an aligned group of 16 lanes.
+      if (kWarpSize * s < cpr) {
+        const int k = lane + kWarpSize * s;
+        float amax = 0.0f;
+#pragma unroll
+        for (int e = 0; e < kChunkElems; ++e)
+          amax = num::amax_update(amax, num::to_float(x[s].v[e]));
+        amax = group_max(amax, kLanesPerTile);
+        const float scale = num::ds_mla_tile_scale(amax, a.cache.ds_mla_pow2_scale);
+        store_chunk<kVec>(latent + k * kChunkElems, encode_chunk<Latent>(x[s], scale), kChunkElems);
+        if (k % kLanesPerTile == 0) {
+          reinterpret_cast<float*>(entry.latent + kDsMlaLatentDim)[k / kLanesPerTile] = scale;
+        }
+      }
+    }
+  } else {
+#pragma unroll
+    for (int s = 0; s < kMaxLatentChunksPerLane; ++s) {
+      const int k = lane + kWarpSize * s;
+      if (k < cpr) {
+        store_chunk<kVec>(latent + k * kChunkElems, encode_chunk<Latent>(x[s], cache_scale),
+                          kChunkElems);
+      }
+    }
+  }
+  RopeT* rope = reinterpret_cast<RopeT*>(entry.rope);
+#pragma unroll
+  for (int j = 0; j < kMaxRopePairsPerLane; ++j) {
+    const int pr = lane + kWarpSize * j;
+    if (pr < half) {
+      store_pair<kVec>(rope, pair_first(neox, pr), pair_second(neox, pr, half), !neox,
+                       encode_pair<RopeT>(r[j], cache_scale));
+    }
+  }
+}
+
+// Rope item i: token t, heads [h0, h0 + heads_per_item).
+template <typename T, typename QOut, bool kVec>
+__device__ __forceinline__ void rope_item(const MlaRopeCacheKernelParams& p, int64_t i, int64_t td,
+                                          float q_scale, int lane) {
+  const core::MlaRopeCacheArgs& a = p.args;
+  const int64_t group = i / p.rope_groups_per_token;
+  const int64_t t = p.rope_token_begin + group;
+  const int64_t h0 = (i - group * p.rope_groups_per_token) * p.rope_heads_per_item;
+  const bool decode = t < td;
+  if (decode ? a.q_out == nullptr : a.q == nullptr) return;
+  const int64_t H = a.num_heads;
+  const int64_t L = a.kv_lora_rank;
+  const int64_t P = a.nope_dim;
+  const int half = static_cast<int>(a.rope_dim / 2);
+  const int ppl = p.rope_pairs_per_lane;
+  const int hpi = p.rope_heads_per_item;
+  const bool neox = p.apply_rope && a.rope.style == RopeStyle::kNeox;
+
+  float cs[kMaxRopePairsPerLane] = {};
+  float sn[kMaxRopePairsPerLane] = {};
+  if (p.apply_rope) {
+    // Bad positions are counted once per token, by its K item.
+    const int64_t pos = clamped_position(a.positions, a.rope.max_pos, t, nullptr);
+#pragma unroll
+    for (int j = 0; j < kMaxRopePairsPerLane; ++j) {
+      const int pr = lane + kWarpSize * j;
+      if (j < ppl && pr < half) {
+        cs[j] = load_table(a.rope, pos, pr);
+        sn[j] = load_table(a.rope, pos, half + pr);
+      }
+    }
+  }
+
+  Pair<T> v[kRopeSlots];
+#pragma unroll
+  for (int s = 0; s < kRopeSlots; ++s) {
+    const int g = s / ppl;
+    const int64_t h = h0 + g;
+    const int pr = lane + kWarpSize * (s - g * ppl);
+    if (g < hpi && h < H && pr < half) {
+      const T* src =
+          decode ? static_cast<const T*>(a.q_pe) + t * a.stride_q_pe_token + h * a.stride_q_pe_head
+                 : static_cast<const T*>(a.q) + t * a.stride_q_token + h * a.stride_q_head + P;
+      v[s] = load_pair<kVec>(src, pair_first(neox, pr), pair_second(neox, pr, half), !neox);
+    }
+  }
+#pragma unroll
+  for (int s = 0; s < kRopeSlots; ++s) {
+    const int g = s / ppl;
+    const int j = s - g * ppl;
+    const int64_t h = h0 + g;
+    const int pr = lane + kWarpSize * j;
+    if (g < hpi && h < H && pr < half) {
+      const Pair<T> m = p.apply_rope ? rotate_pair(v[s], pick(cs, j), pick(sn, j)) : v[s];
+      const int64_t first = pair_first(neox, pr);
+      const int64_t second = pair_second(neox, pr, half);
+      if (decode) {
+        QOut* dst =
+            static_cast<QOut*>(a.q_out) + t * a.stride_q_out_token + h * a.stride_q_out_head + L;
+        store_pair<kVec>(dst, first, second, !neox, encode_pair<QOut>(m, q_scale));
+      } else {
+        T* dst = a.q_prefill_out != nullptr
+                     ? static_cast<T*>(a.q_prefill_out) + t * a.stride_q_prefill_out_token +
+                           h * a.stride_q_prefill_out_head + P
+                     : static_cast<T*>(a.q) + t * a.stride_q_token + h * a.stride_q_head + P;
+        store_pair<kVec>(dst, first, second, !neox, m);
+      }
+    }
+  }
+}
+
+// Copy item i of list c: rows [r0, r0 + rows_per_item) of t * H + h, decode rows (t < Td) or
+// prefill rows (t >= Td).
+template <typename T, typename Dst, bool kVec>
+__device__ __forceinline__ void copy_item(const CopyList& c, int64_t i, bool decode, int64_t td,
+                                          int64_t H, float scale, int lane) {
+  const int64_t r0 = c.row_begin + i * c.rows_per_item;
+  const int64_t t0 = r0 / H;
+  const int64_t h0 = r0 - t0 * H;
+  const int spr = c.slots_per_row;
+  // packed: every row fits in spr <= 4 slots, the item's rows are covered in one pass.
+  const bool packed = spr <= kCopySlots;
+
+  // Source and destination of slot s; false when the slot has nothing to copy.
+  auto locate = [&](int64_t kbase, int s, const T*& src, Dst*& dst, int& n) {
+    const int rl = packed ? s / spr : 0;
+    const int64_t k = kbase + (packed ? s - rl * spr : s) * kWarpSize + lane;
+    if (rl >= c.rows_per_item || r0 + rl >= c.row_end || k >= c.chunks_per_row) return false;
+    int64_t t = t0;
+    int64_t h = h0 + rl;
+    while (h >= H) {  // rl < 4 rows past r0: at most 3 steps
+      h -= H;
+      ++t;
+    }
+    if (decode ? t >= td : t < td) return false;
+    const int64_t e0 = k * kChunkElems;
+    src = static_cast<const T*>(c.src) + t * c.stride_src_token + h * c.stride_src_head + e0;
+    dst = static_cast<Dst*>(c.dst) + t * c.stride_dst_token + h * c.stride_dst_head + e0;
+    const int64_t left = c.row_elems - e0;
+    n = left < kChunkElems ? static_cast<int>(left) : kChunkElems;
+    return true;
+  };
+
+  for (int64_t kbase = 0; kbase < c.chunks_per_row; kbase += kWarpSize * kCopySlots) {
+    Chunk<T> v[kCopySlots];
+#pragma unroll
+    for (int s = 0; s < kCopySlots; ++s) {
+      const T* src;
+      Dst* dst;
+      int n;
+      if (locate(kbase, s, src, dst, n)) v[s] = load_chunk<kVec>(src, n);
+    }
+#pragma unroll
+    for (int s = 0; s < kCopySlots; ++s) {
+      const T* src;
+      Dst* dst;
+      int n;
+      if (locate(kbase, s, src, dst, n)) store_chunk<kVec>(dst, encode_chunk<Dst>(v[s], scale), n);
+    }
+    if (packed) break;
+  }
+}
+
+}  // namespace mla_detail
+
+// 6 resident blocks (24 warps, <= 80 registers) for the 16-byte path of 16-bit models without fp8
+// outputs, which fits it without spilling. The fp8 variants call the IEEE division's slow path
+// (num::quantize), which spills under that cap: they, and the other variants, take what they need.
+template <typename T, CacheFormat kFormat, typename QOut, bool kVec>
+constexpr int kMlaMinBlocks = kVec && sizeof(T) == 2 && !kIsFp8<QOut> &&
+                                      !kIsFp8<typename CacheTraits<kFormat>::Latent>
+                                  ? 6
+                                  : 1;
+
+template <typename T, CacheFormat kFormat, typename QOut, bool kVec>
+__global__ void __launch_bounds__(kMlaThreads, (kMlaMinBlocks<T, kFormat, QOut, kVec>))
+    mla_rope_cache_kernel(const __grid_constant__ MlaRopeCacheKernelParams p) {
+  // RMSNorm scratch of each warp's token: the row as floats and the weight (vector path).
+  __shared__ __align__(16) float norm_row[kMlaWarps][kMaxLatent];
+  __shared__ __align__(16) T norm_weight[kMlaWarps][kMaxLatent];
+  const int lane = static_cast<int>(threadIdx.x) % kWarpSize;
+  const int warp = static_cast<int>(threadIdx.x) / kWarpSize;
+  const core::MlaRopeCacheArgs& a = p.args;
+
+  int64_t td = a.num_decode_tokens;
+  if (a.num_decode_tokens_device != nullptr) {
+    const int64_t value = *a.num_decode_tokens_device;
+    td = value < 0 ? 0 : (value > a.num_tokens ? a.num_tokens : value);
+    if (td != value && blockIdx.x == 0 && threadIdx.x == 0) {
+      count_error(p.error_counts, kBadDecodeCount);
+    }
+  }
+  float q_scale = 1.0f;
+  if constexpr (kIsFp8<QOut>) {
+    if (a.q_scale != nullptr) q_scale = *a.q_scale;
+  }
+  float cache_scale = 1.0f;
+  if constexpr (kFormat == CacheFormat::kFloat8E4M3 || kFormat == CacheFormat::kFloat8E5M2) {
+    if (a.cache.scale != nullptr) cache_scale = *a.cache.scale;
+  }
+
+  // One item per warp: a grid-stride loop would keep every path's loop invariants live at once.
+  int64_t i = static_cast<int64_t>(blockIdx.x) * kMlaWarps + warp;
+  if (i >= p.num_items) return;
+  if (i < p.num_k_items) {
+    mla_detail::k_side_item<T, kFormat, kVec>(p, i, lane, norm_row[warp], norm_weight[warp],
+                                              cache_scale);
+    return;
+  }
+  i -= p.num_k_items;
+  if (i < p.num_rope_items) {
+    mla_detail::rope_item<T, QOut, kVec>(p, i, td, q_scale, lane);
+    return;
+  }
+  i -= p.num_rope_items;
+  if (i < p.decode_copy.num_items) {
+    mla_detail::copy_item<T, QOut, kVec>(p.decode_copy, i, true, td, a.num_heads, q_scale, lane);
+    return;
+  }
+  i -= p.decode_copy.num_items;
+  mla_detail::copy_item<T, T, kVec>(p.prefill_copy, i, false, td, a.num_heads, 1.0f, lane);
+}
+
+template <typename T, CacheFormat kFormat, typename QOut, bool kVec>
+void launch_mla_rope_cache_kernel(const MlaRopeCacheKernelParams& params, cudaStream_t stream) {
+  if (params.num_items <= 0) return;
+  const int64_t grid = (params.num_items + kMlaWarps - 1) / kMlaWarps;
+  MLAKV_CHECK(grid <= 0x7fffffff, "mla_rope_cache: ", params.num_items,
+              " work items exceed one launch");
+  mla_rope_cache_kernel<T, kFormat, QOut, kVec>
+      <<<static_cast<unsigned>(grid), kMlaThreads, 0, stream>>>(params);
+  MLAKV_CUDA_CHECK_LAUNCH("mla_rope_cache_kernel");
+}
+
+}  // namespace cuda
+}  // namespace mlakv
+
+// Explicit instantiations of one model type and cache format for every q_out type and both
+// access widths.
+#define MLAKV_INSTANTIATE_MLA_ROPE_CACHE_QOUT(T, kFormat, QOut)                     \
+  template void mlakv::cuda::launch_mla_rope_cache_kernel<T, kFormat, QOut, true>(  \
+      const mlakv::cuda::MlaRopeCacheKernelParams&, cudaStream_t);                  \
+  template void mlakv::cuda::launch_mla_rope_cache_kernel<T, kFormat, QOut, false>( \
+      const mlakv::cuda::MlaRopeCacheKernelParams&, cudaStream_t);
+#define MLAKV_INSTANTIATE_MLA_ROPE_CACHE(T, kFormat)                     \
+  MLAKV_INSTANTIATE_MLA_ROPE_CACHE_QOUT(T, kFormat, T)                   \
+  MLAKV_INSTANTIATE_MLA_ROPE_CACHE_QOUT(T, kFormat, mlakv::num::Fp8E4M3) \
+  MLAKV_INSTANTIATE_MLA_ROPE_CACHE_QOUT(T, kFormat, mlakv::num::Fp8E5M2)

@@ -1,0 +1,109 @@
+// mlakv CUDA backend: the RMSNorm kernel.
+//
+// One warp per token t (block b's warp w: t = b * 4 + w). Lane l handles chunks k = l, l + 32, ...
+// (8 elements each) of the row:
+//   pass 1, per segment of 1024 elements: chunks -> the warp's shared buffer -> lanes
+//           0..15 add the squares of elements i = l, l + 16, ... into 16 partial sums (the CPU
+//           backend's order, so the result is bitwise equal to it and to the fused op's K side);
+//   combine the 16 sums pairwise by shuffles -> inv_rms = rms_inv(sum, N, eps);
+//   pass 2: each lane re-reads its own chunks, applies (x * inv_rms) * w, rounds once, stores.
+// output may be input itself: a lane writes only chunks that it alone read, and all of pass 1 is
+// done (shuffles) before pass 2 writes.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "cuda/cuda_utils.h"
+#include "cuda/device_common.cuh"
+#include "cuda/rms_norm.h"
+#include "cuda/vec.cuh"
+
+namespace mlakv {
+namespace cuda {
+
+constexpr int kRmsThreads = 128;
+constexpr int kRmsWarps = kRmsThreads / kWarpSize;
+constexpr int kRmsSegment = 1024;  // elements per pass-1 segment: 4 chunks per lane
+constexpr int kRmsSlots = kRmsSegment / kChunkElems / kWarpSize;
+
+template <typename T, bool kVec>
+__global__ void __launch_bounds__(kRmsThreads)
+    rms_norm_kernel(const __grid_constant__ core::RmsNormArgs a) {
+  __shared__ __align__(16) T rows[kRmsWarps][kRmsSegment];
+  const int lane = static_cast<int>(threadIdx.x) % kWarpSize;
+  const int warp = static_cast<int>(threadIdx.x) / kWarpSize;
+  const int64_t t = static_cast<int64_t>(blockIdx.x) * kRmsWarps + warp;
+  if (t >= a.num_tokens) return;
+  const int64_t N = a.hidden;
+  const int64_t num_chunks = (N + kChunkElems - 1) / kChunkElems;
+  const T* in = static_cast<const T*>(a.input) + t * a.stride_input_token;
+  const T* weight = static_cast<const T*>(a.weight);
+  T* out = static_cast<T*>(a.output) + t * a.stride_output_token;
+  T* row = rows[warp];
+
+  float acc = 0.0f;
+  for (int64_t seg = 0; seg < N; seg += kRmsSegment) {
+    const int64_t chunk0 = seg / kChunkElems;
+    Chunk<T> x[kRmsSlots];
+#pragma unroll
+    for (int s = 0; s < kRmsSlots; ++s) {
+      const int64_t k = chunk0 + lane + kWarpSize * s;
+      if (k < num_chunks) {
+        const int64_t e0 = k * kChunkElems;
+        const int n = N - e0 < kChunkElems ? static_cast<int>(N - e0) : kChunkElems;
+        x[s] = load_chunk<kVec>(in + e0, n);
+      }
+    }
+#pragma unroll
+    for (int s = 0; s < kRmsSlots; ++s) {
+      const int64_t k = chunk0 + lane + kWarpSize * s;
+      if (k < num_chunks) *reinterpret_cast<Chunk<T>*>(row + (k - chunk0) * kChunkElems) = x[s];
+    }
+    const int64_t seg_end = seg + kRmsSegment < N ? seg + kRmsSegment : N;
+    acc = accumulate_squares(row, seg, seg_end, acc, lane);
+  }
+  const float inv_rms = num::rms_inv(combine_partial_sums(acc, lane), N, a.eps);
+
+  for (int64_t k0 = 0; k0 < num_chunks; k0 += kWarpSize * kRmsSlots) {
+    Chunk<T> x[kRmsSlots];
+    Chunk<T> w[kRmsSlots];
+#pragma unroll
+    for (int s = 0; s < kRmsSlots; ++s) {
+      const int64_t k = k0 + lane + kWarpSize * s;
+      if (k < num_chunks) {
+        const int64_t e0 = k * kChunkElems;
+        const int n = N - e0 < kChunkElems ? static_cast<int>(N - e0) : kChunkElems;
+        x[s] = load_chunk<kVec>(in + e0, n);
+        w[s] = load_chunk<kVec>(weight + e0, n);
+      }
+    }
+#pragma unroll
+    for (int s = 0; s < kRmsSlots; ++s) {
+      const int64_t k = k0 + lane + kWarpSize * s;
+      if (k < num_chunks) {
+        const int64_t e0 = k * kChunkElems;
+        const int n = N - e0 < kChunkElems ? static_cast<int>(N - e0) : kChunkElems;
+        Chunk<T> y;
+#pragma unroll
+        for (int e = 0; e < kChunkElems; ++e) {
+          y.v[e] = num::from_float<T>(
+              num::rms_apply(num::to_float(x[s].v[e]), inv_rms, num::to_float(w[s].v[e])));
+        }
+        store_chunk<kVec>(out + e0, y, n);
+      }
+    }
+  }
+}
+
+template <typename T, bool kVec>
+void launch_rms_norm_kernel(const core::RmsNormArgs& args, cudaStream_t stream) {
+  const int64_t grid = (args.num_tokens + kRmsWarps - 1) / kRmsWarps;
+  MLAKV_CHECK(grid <= 0x7fffffff, "rms_norm: ", args.num_tokens, " tokens exceed one launch");
+  rms_norm_kernel<T, kVec><<<static_cast<unsigned>(grid), kRmsThreads, 0, stream>>>(args);
+  MLAKV_CUDA_CHECK_LAUNCH("rms_norm_kernel");
+}
+
+}  // namespace cuda
+}  // namespace mlakv

@@ -1,0 +1,119 @@
+// mlakv CUDA backend: error counters, device facts and the memory helpers behind mlakv/memory.h.
+//
+// The memory helpers and device facts take a device index and select it for the call (restoring
+// the caller's device afterwards); the error-counter calls are stream-ordered on the given stream.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <string>
+
+#include "core/backend.h"
+#include "cuda/cuda_utils.h"
+#include "mlakv/context.h"
+
+namespace mlakv {
+namespace cuda {
+namespace {
+
+// Selects `device` for the lifetime of the guard, then restores the previous device.
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device) {
+    MLAKV_CUDA_CHECK(cudaGetDevice(&previous_));
+    if (device != previous_) {
+      MLAKV_CUDA_CHECK(cudaSetDevice(device));
+      switched_ = true;
+    }
+  }
+  ~DeviceGuard() {
+    if (switched_) cudaSetDevice(previous_);  // a destructor must not throw
+  }
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  int previous_ = 0;
+  bool switched_ = false;
+};
+
+}  // namespace
+
+void reset_error_counts(int32_t* error_counts, int device_index, void* stream) {
+  DeviceGuard guard(device_index);
+  MLAKV_CUDA_CHECK(cudaMemsetAsync(error_counts, 0, sizeof(int32_t) * kNumErrorCounters,
+                                   static_cast<cudaStream_t>(stream)));
+}
+
+void read_error_counts(const int32_t* error_counts, int device_index, int32_t* host_out,
+                       void* stream) {
+  DeviceGuard guard(device_index);
+  auto s = static_cast<cudaStream_t>(stream);
+  MLAKV_CUDA_CHECK(cudaMemcpyAsync(host_out, error_counts, sizeof(int32_t) * kNumErrorCounters,
+                                   cudaMemcpyDeviceToHost, s));
+  MLAKV_CUDA_CHECK(cudaStreamSynchronize(s));
+}
+
+int device_count() {
+  int count = 0;
+  const cudaError_t err = cudaGetDeviceCount(&count);
+  if (err == cudaErrorNoDevice || err == cudaErrorInsufficientDriver) {
+    cudaGetLastError();  // clear it: no device is an answer, not an error
+    return 0;
+  }
+  MLAKV_CUDA_CHECK(err);
+  return count;
+}
+
+std::string device_description(int index) {
+  cudaDeviceProp prop{};
+  MLAKV_CUDA_CHECK(cudaGetDeviceProperties(&prop, index));
+  int driver = 0;
+  int runtime = 0;
+  MLAKV_CUDA_CHECK(cudaDriverGetVersion(&driver));
+  MLAKV_CUDA_CHECK(cudaRuntimeGetVersion(&runtime));
+  return detail::concat("cuda:", index, " ", prop.name, ", sm_", prop.major, prop.minor, ", ",
+                        prop.multiProcessorCount, " SMs, ", prop.totalGlobalMem / (1024 * 1024),
+                        " MiB, L2 ", prop.l2CacheSize / 1024, " KiB, driver ", driver / 1000, ".",
+                        (driver % 1000) / 10, ", runtime ", runtime / 1000, ".",
+                        (runtime % 1000) / 10);
+}
+
+void* device_alloc(int device_index, size_t bytes) {
+  DeviceGuard guard(device_index);
+  void* ptr = nullptr;
+  // cudaMalloc memory is at least 256-byte aligned.
+  MLAKV_CUDA_CHECK(cudaMalloc(&ptr, std::max<size_t>(bytes, 1)));
+  return ptr;
+}
+
+void device_free(int device_index, void* ptr) {
+  if (ptr == nullptr) return;
+  DeviceGuard guard(device_index);
+  MLAKV_CUDA_CHECK(cudaFree(ptr));
+}
+
+void copy_host_to_device(int device_index, void* dst, const void* src, size_t bytes) {
+  if (bytes == 0) return;
+  DeviceGuard guard(device_index);
+  MLAKV_CUDA_CHECK(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice));
+}
+
+void copy_device_to_host(int device_index, void* dst, const void* src, size_t bytes) {
+  if (bytes == 0) return;
+  DeviceGuard guard(device_index);
+  MLAKV_CUDA_CHECK(cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToHost));
+}
+
+void device_memset(int device_index, void* dst, int value, size_t bytes) {
+  if (bytes == 0) return;
+  DeviceGuard guard(device_index);
+  MLAKV_CUDA_CHECK(cudaMemset(dst, value, bytes));
+}
+
+void device_synchronize(int device_index) {
+  DeviceGuard guard(device_index);
+  MLAKV_CUDA_CHECK(cudaDeviceSynchronize());
+}
+
+}  // namespace cuda
+}  // namespace mlakv

@@ -1,0 +1,128 @@
+// mlakv CUDA backend: the one vectorized access helper.
+//
+// Every row the kernels stream is cut into chunks of kChunkElems = 8 consecutive elements, whatever
+// the element type, so that a chunk index means the same values for every dtype (an fp8_ds_mla tile
+// of 128 values is always 16 chunks, a bf16 row chunk is 16 bytes, an fp32 chunk 32 bytes, an fp8
+// chunk 8 bytes). A chunk is moved with 16-byte (or 8-byte, for 1-byte types) accesses when kVec,
+// else element by element.
+//
+// kVec is decided on the host (cuda_utils.h VecCheck): every base pointer 16-byte aligned and every
+// stride a multiple of 16 bytes. Chunk k of a row starts k * 8 * sizeof(T) bytes into it, so it is
+// then aligned to min(16, sizeof(Chunk<T>)). Without kVec only the element alignment the validator
+// guarantees is assumed.
+//
+// Pair<T> is the two elements of one RoPE rotation; with kVec and adjacent elements (GPT-J) it is
+// one 2 * sizeof(T) access (pair p starts at element 2p of a 16-byte aligned row).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <type_traits>
+
+#include "common/numerics.h"
+
+namespace mlakv {
+namespace cuda {
+
+constexpr int kChunkElems = 8;
+
+template <typename T>
+struct alignas(sizeof(T) * kChunkElems >= 16 ? 16 : sizeof(T) * kChunkElems) Chunk {
+  T v[kChunkElems];
+};
+
+template <typename T>
+struct alignas(2 * sizeof(T)) Pair {
+  T x;
+  T y;
+};
+
+namespace detail {
+// The access word of a chunk: 16 bytes, or 8 for chunks of 1-byte types.
+template <typename T>
+using ChunkWord = std::conditional_t<(sizeof(Chunk<T>) >= 16), uint4, uint2>;
+template <typename T>
+constexpr int kChunkWords = static_cast<int>(sizeof(Chunk<T>) / sizeof(ChunkWord<T>));
+
+template <typename T>
+union ChunkBits {
+  ChunkWord<T> w[kChunkWords<T>];
+  Chunk<T> c;
+};
+}  // namespace detail
+
+// Loads elements [0, n) of a chunk (n == kChunkElems whenever kVec); the rest are zero bits.
+template <bool kVec, typename T>
+__device__ __forceinline__ Chunk<T> load_chunk(const T* src, int n) {
+  if constexpr (kVec) {
+    detail::ChunkBits<T> u;
+    const auto* words = reinterpret_cast<const detail::ChunkWord<T>*>(src);
+#pragma unroll
+    for (int i = 0; i < detail::kChunkWords<T>; ++i) u.w[i] = words[i];
+    return u.c;
+  } else {
+    Chunk<T> c;
+#pragma unroll
+    for (int e = 0; e < kChunkElems; ++e) c.v[e] = e < n ? src[e] : T{};
+    return c;
+  }
+}
+
+// Stores elements [0, n) of a chunk (n == kChunkElems whenever kVec).
+template <bool kVec, typename T>
+__device__ __forceinline__ void store_chunk(T* dst, const Chunk<T>& c, int n) {
+  if constexpr (kVec) {
+    detail::ChunkBits<T> u;
+    u.c = c;
+    auto* words = reinterpret_cast<detail::ChunkWord<T>*>(dst);
+#pragma unroll
+    for (int i = 0; i < detail::kChunkWords<T>; ++i) words[i] = u.w[i];
+  } else {
+#pragma unroll
+    for (int e = 0; e < kChunkElems; ++e) {
+      if (e < n) dst[e] = c.v[e];
+    }
+  }
+}
+
+// The pair (row[first], row[second]); `adjacent` (second == first + 1, first even) allows one
+// access when kVec.
+template <bool kVec, typename T>
+__device__ __forceinline__ Pair<T> load_pair(const T* row, int64_t first, int64_t second,
+                                             bool adjacent) {
+  if (kVec && adjacent) return *reinterpret_cast<const Pair<T>*>(row + first);
+  return Pair<T>{row[first], row[second]};
+}
+
+template <bool kVec, typename T>
+__device__ __forceinline__ void store_pair(T* row, int64_t first, int64_t second, bool adjacent,
+                                           const Pair<T>& p) {
+  if (kVec && adjacent) {
+    *reinterpret_cast<Pair<T>*>(row + first) = p;
+  } else {
+    row[first] = p.x;
+    row[second] = p.y;
+  }
+}
+
+// Asynchronous global -> shared copy of one chunk (cp.async, 16-byte pieces, L1 bypassed), for
+// 16-byte aligned chunks only; completes at cp_async_wait_all() of the issuing thread.
+template <typename T>
+__device__ __forceinline__ void copy_chunk_async(T* smem_dst, const T* global_src) {
+  static_assert(sizeof(Chunk<T>) % 16 == 0, "cp.async copies whole 16-byte pieces");
+  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem_dst));
+  const char* src = reinterpret_cast<const char*>(global_src);
+#pragma unroll
+  for (int i = 0; i < static_cast<int>(sizeof(Chunk<T>) / 16); ++i) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst + 16 * i),
+                 "l"(src + 16 * i));
+  }
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+__device__ __forceinline__ void cp_async_wait_all() {
+  asm volatile("cp.async.wait_all;\n" ::: "memory");
+}
+
+}  // namespace cuda
+}  // namespace mlakv
