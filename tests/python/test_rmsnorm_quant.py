@@ -104,6 +104,14 @@ def assert_bytes_equal(actual, expected):
         raise AssertionError(f"{bad.shape[0]} bytes differ, first at {bad[0].tolist()}")
 
 
+def assert_within_one_ulp(actual, expected):
+    """16-bit floats: bit patterns (same sign) at most 1 apart."""
+    a = actual.cpu().contiguous().view(torch.int16).int()
+    e = expected.cpu().contiguous().view(torch.int16).int()
+    diff = (a - e).abs().max().item() if a.numel() else 0
+    assert diff <= 1, f"normalized values differ by {diff} ulp"
+
+
 # ---- tests -------------------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("N", [512, 1536, 7168])
@@ -117,8 +125,14 @@ def test_rmsnorm_quant_matches_reference(dtype, N, T, device):
     scales_before = scales.clone()
     _ops.rmsnorm_quant(x, w, 1e-6, out, scales, num_tokens=T)
 
+    # The normalized values may differ from the reference by 1 ulp where torch's fp32 arithmetic
+    # rounds a partial sum differently (DESIGN.md's RMSNorm allowance); the quantization of the
+    # library's own normalized values must then match to the byte.
     y, _ = ref_rms_norm(x[:T], w, 1e-6)
-    q, s = ref_group_quant(y, 128)
+    y_lib = torch.empty(T, N, dtype=dtype, device=device)
+    _ops.rms_norm(y_lib, x[:T], w, 1e-6)
+    assert_within_one_ulp(y_lib, y)
+    q, s = ref_group_quant(y_lib, 128)
     assert_bytes_equal(out[:T], q)
     assert_bytes_equal(scales[:T], s)
     assert_bytes_equal(out[T:], torch.full((2, N), 3.0).to(torch.float8_e4m3fn))  # padding rows
@@ -223,10 +237,15 @@ def test_opcheck(device):
     kv_c = rand_rows(T, 512, torch.bfloat16, device, seed=15, pad_rows=0)
     kvw = rand_weight(512, torch.bfloat16, device, seed=16)
     kv_out = torch.empty_like(kv_c)
-    torch.library.opcheck(_ops.rmsnorm_quant.default, (x, w, 1e-6, out, scales))
-    torch.library.opcheck(_ops.per_token_group_quant_fp8.default, (x, out, scales))
+    # test_schema compares float8 outputs with arithmetic torch does not implement for float8
+    # ("mul_cpu_reduced_float"); the mutation annotations it would check are also exercised by
+    # test_faketensor and test_aot_dispatch_dynamic, which run here.
+    utils = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+    torch.library.opcheck(_ops.rmsnorm_quant.default, (x, w, 1e-6, out, scales), test_utils=utils)
+    torch.library.opcheck(_ops.per_token_group_quant_fp8.default, (x, out, scales),
+                          test_utils=utils)
     torch.library.opcheck(_ops.mla_rmsnorm_quant.default,
-                          (x, w, 1e-6, out, scales, kv_c, kvw, 1e-6, kv_out))
+                          (x, w, 1e-6, out, scales, kv_c, kvw, 1e-6, kv_out), test_utils=utils)
 
 
 def test_torch_compile_fullgraph(device):
