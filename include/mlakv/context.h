@@ -17,7 +17,8 @@ enum ErrorCounter : int32_t {
 const char* error_counter_name(int32_t counter);
 
 struct Context {
-  // cudaStream_t of the op (CUDA backend); nullptr is the legacy default stream. Ignored on the CPU.
+  // cudaStream_t of the op (CUDA backend); nullptr is the legacy default stream. Ignored on the
+  // CPU.
   void* stream = nullptr;
   // Optional [kNumErrorCounters] int32 in the op's device memory (host memory for the CPU backend).
   int32_t* error_counts = nullptr;

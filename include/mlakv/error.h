@@ -32,11 +32,12 @@ std::string concat(const Args&... args) {
 }  // namespace mlakv
 
 // MLAKV_CHECK(cond, parts...): throws mlakv::Error with the streamed parts when cond is false.
-#define MLAKV_CHECK(cond, ...)                                                   \
-  do {                                                                           \
-    if (!(cond)) {                                                               \
+#define MLAKV_CHECK(cond, ...)                                                        \
+  do {                                                                                \
+    if (!(cond)) {                                                                    \
       throw ::mlakv::Error(__FILE__, __LINE__, ::mlakv::detail::concat(__VA_ARGS__)); \
-    }                                                                            \
+    }                                                                                 \
   } while (0)
 
-#define MLAKV_FAIL(...) throw ::mlakv::Error(__FILE__, __LINE__, ::mlakv::detail::concat(__VA_ARGS__))
+#define MLAKV_FAIL(...) \
+  throw ::mlakv::Error(__FILE__, __LINE__, ::mlakv::detail::concat(__VA_ARGS__))

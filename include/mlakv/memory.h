@@ -1,5 +1,5 @@
-// mlakv: small memory helpers for tests, tools and engines without a framework allocator. Never used
-// inside an op. CPU memory comes from aligned new; CUDA memory from cudaMalloc.
+// mlakv: small memory helpers for tests, tools and engines without a framework allocator. Never
+// used inside an op. CPU memory comes from aligned new; CUDA memory from cudaMalloc.
 #pragma once
 
 #include <cstddef>

@@ -3,9 +3,9 @@
 // Terms (DESIGN.md): T tokens (decode tokens first, then prefill), Td decode tokens, H query heads,
 // L = kv_lora_rank, R = qk_rope_head_dim, P = per-head nope width of the un-absorbed query.
 // "model dtype" is the dtype of kv_c: float32, float16 or bfloat16; every model-dtype tensor of an
-// op has that dtype. Per-token tensors may have more rows than T (CUDA-graph padding); rows >= T are
-// never touched. The innermost dimension of every tensor must be contiguous (stride 1) and every
-// pointer aligned to its element size.
+// op has that dtype. Per-token tensors may have more rows than T (CUDA-graph padding); rows >= T
+// are never touched. The innermost dimension of every tensor must be contiguous (stride 1) and
+// every pointer aligned to its element size.
 //
 // Every op validates all its arguments before it writes anything and throws mlakv::Error naming
 // the argument on a violation. The backend follows the tensors' device (all must agree). Ops never
@@ -46,8 +46,8 @@ const char* rope_style_name(RopeStyle style);
 // A host Td > 0 requires q_out; q_pe / ql_nope / q_scale without q_out, or q_prefill_out without q,
 // are rejected. With a device Td and no q_out the decode rows get no Q work (K side only).
 struct MlaRopeCacheParams {
-  int64_t num_tokens = 0;                           // T
-  int64_t num_decode_tokens = 0;                    // Td (host)
+  int64_t num_tokens = 0;                             // T
+  int64_t num_decode_tokens = 0;                      // Td (host)
   const int32_t* num_decode_tokens_device = nullptr;  // [1] int32 on the op's device, or nullptr
 
   TensorView positions;      // [>=T], int64 or int32
@@ -60,9 +60,9 @@ struct MlaRopeCacheParams {
   TensorView k_pe;            // [>=T, R], model dtype
   TensorView kv_norm_weight;  // optional [L], model dtype: RMSNorm weight (kv_a_layernorm)
   float kv_norm_eps = 1e-6f;
-  KVCacheView kv_cache;       // entry geometry L, R
-  TensorView k_pe_out;        // optional [>=T, R], model dtype; may be k_pe itself
-  TensorView kv_c_out;        // optional [>=T, L], model dtype; may be kv_c itself
+  KVCacheView kv_cache;  // entry geometry L, R
+  TensorView k_pe_out;   // optional [>=T, R], model dtype; may be k_pe itself
+  TensorView kv_c_out;   // optional [>=T, L], model dtype; may be kv_c itself
 
   // Decode Q side, rows [0, Td).
   TensorView q_pe;                 // [>=Td, H, R], model dtype
@@ -99,10 +99,10 @@ void rotary_embedding(const RotaryEmbeddingParams& params, const Context& ctx = 
 
 // vLLM `concat_and_cache_mla`: write [kv_c[t] | k_pe[t]] (k_pe already rotated) at slot_mapping[t].
 struct ConcatAndCacheMlaParams {
-  int64_t num_tokens = 0;     // T
-  TensorView kv_c;            // [>=T, L], model dtype
-  TensorView k_pe;            // [>=T, R], model dtype
-  TensorView slot_mapping;    // [>=T], int64 or int32
+  int64_t num_tokens = 0;   // T
+  TensorView kv_c;          // [>=T, L], model dtype
+  TensorView k_pe;          // [>=T, R], model dtype
+  TensorView slot_mapping;  // [>=T], int64 or int32
   KVCacheView kv_cache;
 };
 void concat_and_cache_mla(const ConcatAndCacheMlaParams& params, const Context& ctx = {});
@@ -123,7 +123,7 @@ struct RmsNormParams {
   TensorView input;        // [>=T, N], model dtype
   TensorView weight;       // [N], model dtype
   float eps = 1e-6f;
-  TensorView output;       // [>=T, N], model dtype; may be input itself
+  TensorView output;  // [>=T, N], model dtype; may be input itself
 };
 void rms_norm(const RmsNormParams& params, const Context& ctx = {});
 
@@ -135,21 +135,21 @@ void rms_norm(const RmsNormParams& params, const Context& ctx = {});
 struct GatherCacheSlotsParams {
   int64_t num_tokens = 0;  // N
   KVCacheView kv_cache;
-  TensorView slots;        // [>=N], int64 or int32
-  TensorView out;          // [>=N, L + R], bfloat16 or float32
+  TensorView slots;  // [>=N], int64 or int32
+  TensorView out;    // [>=N, L + R], bfloat16 or float32
 };
 void gather_cache_slots(const GatherCacheSlotsParams& params, const Context& ctx = {});
 
 // Whole sequences: sequence b (b < num_seqs) has cu_seq_lens[b + 1] - cu_seq_lens[b] tokens; its
-// token i lives in block block_table[b, i / block_size] at offset i % block_size and goes to out row
-// cu_seq_lens[b] + i. Rows at or past out.shape[0] are never written; block ids outside
-// [0, num_blocks) give zeros and are counted.
+// token i lives in block block_table[b, i / block_size] at offset i % block_size and goes to out
+// row cu_seq_lens[b] + i. Rows at or past out.shape[0] are never written; block ids outside [0,
+// num_blocks) give zeros and are counted.
 struct GatherCacheSequencesParams {
-  int64_t num_seqs = 0;     // B
+  int64_t num_seqs = 0;  // B
   KVCacheView kv_cache;
-  TensorView block_table;   // [>=B, max_blocks_per_seq], int32
-  TensorView cu_seq_lens;   // [>=B + 1], int32, non-decreasing, cu_seq_lens[0] = 0
-  TensorView out;           // [num_out_rows, L + R], bfloat16 or float32
+  TensorView block_table;  // [>=B, max_blocks_per_seq], int32
+  TensorView cu_seq_lens;  // [>=B + 1], int32, non-decreasing, cu_seq_lens[0] = 0
+  TensorView out;          // [num_out_rows, L + R], bfloat16 or float32
 };
 void gather_cache_sequences(const GatherCacheSequencesParams& params, const Context& ctx = {});
 

@@ -8,10 +8,11 @@
 
 namespace mlakv {
 
-// Plain RoPE: inv_freq[i] = base^(-2i / rotary_dim), row p = [cos(p * inv_freq) | sin(p * inv_freq)].
+// Plain RoPE: inv_freq[i] = base^(-2i / rotary_dim), row p = [cos(p * inv_freq) | sin(p *
+// inv_freq)].
 struct RopeTableConfig {
   double base = 10000.0;
-  int64_t rotary_dim = 64;     // R, even
+  int64_t rotary_dim = 64;  // R, even
   int64_t max_position = 4096;
 };
 

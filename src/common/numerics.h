@@ -2,8 +2,8 @@
 //
 // Everything here is plain integer/IEEE-float code that compiles for host and device and gives the
 // same bits on both: conversions are done in software (round-to-nearest-even, saturating fp8), the
-// products that must not be fused use mul_rn, divisions use div_rn. The host build must not contract
-// floating-point expressions (-ffp-contract=off) and neither build may use fast-math.
+// products that must not be fused use mul_rn, divisions use div_rn. The host build must not
+// contract floating-point expressions (-ffp-contract=off) and neither build may use fast-math.
 #pragma once
 
 #include <cfloat>
