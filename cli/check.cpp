@@ -475,31 +475,6 @@ Mismatch compare_buffer(int id, const std::vector<uint8_t>& got,
   return m;
 }
 
-int mantissa_bits(DType dtype) {
-  switch (dtype) {
-    case DType::kFloat32:
-      return 23;
-    case DType::kFloat16:
-      return 10;
-    case DType::kBFloat16:
-      return 7;
-    case DType::kFloat8E4M3:
-      return 3;
-    default:
-      return 2;
-  }
-}
-
-// The test suite's rule (tests/harness.cpp norm_tolerance_codes): one ulp of the model dtype (16
-// for float32, whose long sums drift further), expressed in codes of the storage dtype; one code
-// when the storage is coarser than the model dtype (fp8).
-int64_t norm_tolerance_codes(DType storage, DType model) {
-  const int64_t model_ulps = model == DType::kFloat32 ? 16 : 1;
-  const int shift = mantissa_bits(storage) - mantissa_bits(model);
-  if (shift > 0) return model_ulps << shift;
-  return storage == model ? model_ulps : 1;
-}
-
 // Where RMSNorm-derived values live: the latent part of written cache entries and kv_c_out.
 Tolerances rms_norm_tolerances(const Case& c, const MlaRopeCacheParams& host_params) {
   Tolerances tol;
@@ -516,7 +491,7 @@ Tolerances rms_norm_tolerances(const Case& c, const MlaRopeCacheParams& host_par
     } else {
       tol.ranges[kCache].push_back(
           {offset, static_cast<size_t>(c.L), latent_elem,
-           norm_tolerance_codes(cache_latent_dtype(c.format), c.model_dtype)});
+           ref::norm_tolerance_codes(cache_latent_dtype(c.format), c.model_dtype)});
     }
   }
   if (c.kv_c_out != Alias::kNone) {
@@ -526,7 +501,7 @@ Tolerances rms_norm_tolerances(const Case& c, const MlaRopeCacheParams& host_par
     for (int64_t t = 0; t < c.T; ++t) {
       tol.ranges[id].push_back({static_cast<size_t>(t) * row_bytes, static_cast<size_t>(c.L),
                                 static_cast<int>(c.model_bytes()),
-                                norm_tolerance_codes(c.model_dtype, c.model_dtype)});
+                                ref::norm_tolerance_codes(c.model_dtype, c.model_dtype)});
     }
   }
   return tol;

@@ -295,30 +295,6 @@ TestCache new_cache(Device device, const CacheGeometry& g) {
   return c;
 }
 
-namespace {
-int mantissa_bits(DType dtype) {
-  switch (dtype) {
-    case DType::kFloat32:
-      return 23;
-    case DType::kFloat16:
-      return 10;
-    case DType::kBFloat16:
-      return 7;
-    case DType::kFloat8E4M3:
-      return 3;
-    default:
-      return 2;
-  }
-}
-}  // namespace
-
-int64_t norm_tolerance_codes(DType storage, DType model) {
-  const int64_t model_ulps = model == DType::kFloat32 ? 16 : 1;
-  const int shift = mantissa_bits(storage) - mantissa_bits(model);
-  if (shift > 0) return model_ulps << shift;
-  return storage == model ? model_ulps : 1;
-}
-
 void expect_cache_matches(const TestCache& cache, const std::vector<int64_t>& written_slots,
                           const std::vector<int64_t>& norm_slots, DType model,
                           const std::string& what) {

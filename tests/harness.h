@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "mlakv/mlakv.h"
+#include "reference/reference.h"
 
 namespace mlakv {
 namespace test {
@@ -141,11 +142,7 @@ struct TestCache {
 };
 TestCache new_cache(Device device, const CacheGeometry& geometry);
 
-// The tolerance, in codes of `storage`, of a value that came out of an RMSNorm and was rounded to
-// `model`: the fp32 sum of squares may be summed in another order, so the rounded value may be one
-// ulp of the model dtype off (a float32 model: 16 ulps, a few-ulp error of the fp32 rsqrt carried
-// through two products); stored in a wider dtype that ulp spans several codes of it.
-int64_t norm_tolerance_codes(DType storage, DType model);
+using ref::norm_tolerance_codes;  // tests/reference/reference.h
 
 // Compares a cache with its host mirror: exact, except the latent parts of `norm_slots` (entries
 // whose latent values came out of an RMSNorm): within norm_tolerance_codes, fp8_ds_mla tile scales
