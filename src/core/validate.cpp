@@ -313,6 +313,28 @@ bool exact_alias(Validator& v, const char* name, const TensorView& out, const ch
   return true;
 }
 
+// kv_c [T, L] and k_pe [T, R] in the model dtype (kv_c's): the K-side inputs of the fused op and
+// of concat_and_cache_mla.
+struct KInputs {
+  DType model;
+  int64_t L;
+  int64_t R;
+};
+KInputs check_k_inputs(Validator& v, const TensorView& kv_c, const TensorView& k_pe, int64_t T) {
+  v.tensor("kv_c", kv_c, 2, "[T, L]");
+  v.model_dtype("kv_c", kv_c);
+  const DType model = kv_c.dtype;
+  const int64_t L = kv_c.shape[1];
+  v.latent_dim("kv_c", L, [&] { return kv_c.describe(); });
+  v.rows("kv_c", kv_c, T, "T");
+  v.tensor("k_pe", k_pe, 2, "[T, R]");
+  v.dtype("k_pe", k_pe, model, "the model dtype, from kv_c");
+  const int64_t R = k_pe.shape[1];
+  v.rope_dim("k_pe", R, [&] { return k_pe.describe(); });
+  v.rows("k_pe", k_pe, T, "T");
+  return {model, L, R};
+}
+
 }  // namespace
 
 MlaRopeCacheArgs validate_mla_rope_cache(const char* op, const MlaRopeCacheParams& p,
@@ -321,18 +343,10 @@ MlaRopeCacheArgs validate_mla_rope_cache(const char* op, const MlaRopeCacheParam
   const int64_t T = p.num_tokens;
   check_num_tokens(v, "num_tokens", T);
 
-  v.tensor("kv_c", p.kv_c, 2, "[T, L]");
-  v.model_dtype("kv_c", p.kv_c);
-  const DType model = p.kv_c.dtype;
-  const int64_t L = p.kv_c.shape[1];
-  v.latent_dim("kv_c", L, [&] { return p.kv_c.describe(); });
-  v.rows("kv_c", p.kv_c, T, "T");
-
-  v.tensor("k_pe", p.k_pe, 2, "[T, R]");
-  v.dtype("k_pe", p.k_pe, model, "the model dtype, from kv_c");
-  const int64_t R = p.k_pe.shape[1];
-  v.rope_dim("k_pe", R, [&] { return p.k_pe.describe(); });
-  v.rows("k_pe", p.k_pe, T, "T");
+  const KInputs k = check_k_inputs(v, p.kv_c, p.k_pe, T);
+  const DType model = k.model;
+  const int64_t L = k.L;
+  const int64_t R = k.R;
 
   MlaRopeCacheArgs a;
   a.positions = index_tensor(v, "positions", p.positions, T, "T");
@@ -568,17 +582,10 @@ ConcatAndCacheMlaArgs validate_concat_and_cache_mla(const char* op,
   Validator v(op);
   const int64_t T = p.num_tokens;
   check_num_tokens(v, "num_tokens", T);
-  v.tensor("kv_c", p.kv_c, 2, "[T, L]");
-  v.model_dtype("kv_c", p.kv_c);
-  const DType model = p.kv_c.dtype;
-  const int64_t L = p.kv_c.shape[1];
-  v.latent_dim("kv_c", L, [&] { return p.kv_c.describe(); });
-  v.rows("kv_c", p.kv_c, T, "T");
-  v.tensor("k_pe", p.k_pe, 2, "[T, R]");
-  v.dtype("k_pe", p.k_pe, model, "the model dtype, from kv_c");
-  const int64_t R = p.k_pe.shape[1];
-  v.rope_dim("k_pe", R, [&] { return p.k_pe.describe(); });
-  v.rows("k_pe", p.k_pe, T, "T");
+  const KInputs k = check_k_inputs(v, p.kv_c, p.k_pe, T);
+  const DType model = k.model;
+  const int64_t L = k.L;
+  const int64_t R = k.R;
 
   ConcatAndCacheMlaArgs a;
   a.slot_mapping = index_tensor(v, "slot_mapping", p.slot_mapping, T, "T");
