@@ -142,8 +142,9 @@ void gather_cache_slots(const GatherCacheSlotsParams& params, const Context& ctx
 
 // Whole sequences: sequence b (b < num_seqs) has cu_seq_lens[b + 1] - cu_seq_lens[b] tokens; its
 // token i lives in block block_table[b, i / block_size] at offset i % block_size and goes to out
-// row cu_seq_lens[b] + i. Rows at or past out.shape[0] are never written; block ids outside [0,
-// num_blocks) give zeros and are counted.
+// row cu_seq_lens[b] + i. Rows at or past out.shape[0] are never written; block ids outside
+// [0, num_blocks), and tokens past their block-table row (i / block_size >= max_blocks_per_seq),
+// give zeros and are counted (kBadBlockIndex, once per row).
 struct GatherCacheSequencesParams {
   int64_t num_seqs = 0;  // B
   KVCacheView kv_cache;

@@ -574,7 +574,10 @@ void gather_cache_sequences(const GatherCacheSequencesParams& p, int32_t* error_
     for (int64_t i = 0; i < end - begin; ++i) {
       const int64_t row_index = begin + i;
       if (row_index >= p.out.shape[0]) break;
-      const int64_t block = *static_cast<const int32_t*>(at(p.block_table, b, i / bs));
+      // A token past its block-table row has no block: a bad id, never the next row's entry.
+      const int64_t block = i / bs < p.block_table.shape[1]
+                                ? *static_cast<const int32_t*>(at(p.block_table, b, i / bs))
+                                : -1;
       std::vector<float> row(static_cast<size_t>(D), 0.0f);
       if (block < 0 || block >= p.kv_cache.num_blocks) {
         count(error_counts, kBadBlockIndex);

@@ -1,0 +1,377 @@
+// mlakv tests: edge cases of every op. T = 0 (an empty batch, e.g. a CUDA-graph replay with no
+// tokens) must succeed and write nothing: every output keeps its poison, the cache its sentinel and
+// the counters stay 0, independently of the reference. gather_cache_sequences with sequences
+// longer than their block-table row: the rows past the row's coverage are zeros and counted, rows
+// at or past out.shape[0] are never written.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <numeric>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "fused_problem.h"
+#include "reference/reference.h"
+
+namespace mlakv {
+namespace test {
+namespace {
+
+const std::string kNoErrors = counts_to_string(std::vector<int32_t>(kNumErrorCounters, 0));
+
+Tensor random_tensor(Device dev, DType dtype, std::vector<int64_t> shape, std::mt19937_64& rng) {
+  Tensor t = new_tensor(dev, dtype, std::move(shape));
+  fill_random(*t.buffer, dtype, rng);
+  t.buffer->upload();
+  return t;
+}
+
+Tensor poisoned_tensor(Device dev, DType dtype, std::vector<int64_t> shape) {
+  Tensor t = new_tensor(dev, dtype, std::move(shape));
+  fill_bytes(*t.buffer, kPoisonByte);
+  t.buffer->upload();
+  return t;
+}
+
+// Indices that would be valid (and would write or read something) if a row were processed.
+Tensor index_tensor(Device dev, DType dtype, const std::vector<int64_t>& values) {
+  Tensor t = new_tensor(dev, dtype, {static_cast<int64_t>(values.size())});
+  set_indices(t, values);
+  t.buffer->upload();
+  return t;
+}
+
+TestCache sentinel_cache(Device dev) {
+  TestCache cache = new_cache(dev, CacheGeometry{});
+  cache.data->upload();
+  if (cache.rope_data) cache.rope_data->upload();
+  return cache;
+}
+
+void expect_cache_untouched(const TestCache& cache) {
+  EXPECT_TRUE(buffer_unchanged(*cache.data, "kv_cache"));
+  if (cache.rope_data) {
+    EXPECT_TRUE(buffer_unchanged(*cache.rope_data, "rope cache"));
+  }
+  expect_cache_matches(cache, {}, {}, DType::kBFloat16, "kv_cache");
+}
+
+class ZeroTokens : public testing::TestWithParam<Backend> {};
+
+// Every entry point, host and device Td, optional outputs present: nothing happens.
+TEST_P(ZeroTokens, FusedWritesNothing) {
+  const Device dev = GetParam().device;
+  struct Variant {
+    std::string name;
+    Entry entry;
+    bool device_td, decode_q, prefill_q, prefill_out;
+  };
+  const Variant variants[] = {
+      {"fused", Entry::kFused, false, true, true, false},
+      {"fused_prefill_out", Entry::kFused, false, true, true, true},
+      {"fused_device_td", Entry::kFused, true, true, true, false},
+      {"fused_device_td_k_side_only", Entry::kFused, true, false, false, false},
+      {"decode", Entry::kDecode, false, true, false, false},
+      {"decode_device_td", Entry::kDecode, true, true, false, false},
+      {"prefill", Entry::kPrefill, false, false, true, true},
+      {"mixed", Entry::kMixed, false, true, true, false},
+      {"mixed_device_td", Entry::kMixed, true, true, true, false},
+  };
+  uint64_t seed = 900;
+  for (const Variant& v : variants) {
+    FusedSpec s;
+    s.name = "T0_" + v.name;
+    s.T = 0;
+    s.Td = 0;
+    s.entry = v.entry;
+    s.norm = true;
+    s.k_pe_out = s.kv_c_out = true;
+    s.decode_q = v.decode_q;
+    s.prefill_q = v.prefill_q;
+    s.prefill_out = v.prefill_out;
+    s.device_td = v.device_td;
+    s.device_td_value = 0;
+    s.seed = seed++;
+    SCOPED_TRACE(s.name);
+    FusedProblem problem(s, dev);
+    EXPECT_EQ(counts_to_string(problem.run_reference()), kNoErrors) << "reference counters";
+    EXPECT_EQ(counts_to_string(problem.run_library()), kNoErrors) << "error counters";
+    problem.expect_matches();
+    // Independently of the reference: every buffer, outputs included, is as it was.
+    for (const Tensor* t : {&problem.k_pe_out, &problem.kv_c_out, &problem.q_out, &problem.q,
+                            &problem.q_prefill_out, &problem.kv_c, &problem.k_pe}) {
+      if (t->present()) {
+        EXPECT_TRUE(buffer_unchanged(*t->buffer, "an output or input"));
+      }
+    }
+    expect_cache_untouched(problem.cache);
+  }
+}
+
+TEST_P(ZeroTokens, RotaryEmbeddingWritesNothing) {
+  const Device dev = GetParam().device;
+  std::mt19937_64 rng(901);
+  const int64_t rows = 3, H = 4, head_size = 96, rot_dim = 64, max_pos = 64;
+  Tensor positions = index_tensor(dev, DType::kInt64, {1, 2, 3});
+  Tensor query = random_tensor(dev, DType::kBFloat16, {rows, H, head_size}, rng);
+  Tensor key = random_tensor(dev, DType::kBFloat16, {rows, 1, head_size}, rng);
+  Tensor cos_sin = random_tensor(dev, DType::kFloat32, {max_pos, rot_dim}, rng);
+  ErrorCounts counts(dev);
+  RotaryEmbeddingParams host, device;
+  for (auto [p, on_host] : {std::pair{&host, true}, std::pair{&device, false}}) {
+    auto v = [&](const Tensor& t) { return on_host ? t.host_view() : t.device_view(); };
+    p->num_tokens = 0;
+    p->positions = v(positions);
+    p->query = v(query);
+    p->key = v(key);
+    p->cos_sin_cache = v(cos_sin);
+  }
+  std::vector<int32_t> expected(kNumErrorCounters, 0);
+  ref::rotary_embedding(host, expected.data());
+  Context ctx;
+  ctx.error_counts = counts.device_ptr();
+  rotary_embedding(device, ctx);
+  EXPECT_EQ(counts_to_string(expected), kNoErrors);
+  EXPECT_EQ(counts_to_string(counts.read()), kNoErrors);
+  EXPECT_TRUE(buffer_unchanged(*query.buffer, "query"));
+  EXPECT_TRUE(buffer_unchanged(*key.buffer, "key"));
+}
+
+TEST_P(ZeroTokens, ConcatAndCacheWritesNothing) {
+  const Device dev = GetParam().device;
+  std::mt19937_64 rng(902);
+  TestCache cache = sentinel_cache(dev);
+  const int64_t rows = 3, L = cache.geometry.L, R = cache.geometry.R;
+  Tensor kv_c = random_tensor(dev, DType::kBFloat16, {rows, L}, rng);
+  Tensor k_pe = random_tensor(dev, DType::kBFloat16, {rows, R}, rng);
+  Tensor slots = index_tensor(dev, DType::kInt64, {0, 5, 17});
+  ErrorCounts counts(dev);
+  ConcatAndCacheMlaParams host, device;
+  for (auto [p, on_host] : {std::pair{&host, true}, std::pair{&device, false}}) {
+    auto v = [&](const Tensor& t) { return on_host ? t.host_view() : t.device_view(); };
+    p->num_tokens = 0;
+    p->kv_c = v(kv_c);
+    p->k_pe = v(k_pe);
+    p->slot_mapping = v(slots);
+    p->kv_cache = on_host ? cache.host_view() : cache.device_view();
+  }
+  std::vector<int32_t> expected(kNumErrorCounters, 0);
+  ref::concat_and_cache_mla(host, expected.data());
+  Context ctx;
+  ctx.error_counts = counts.device_ptr();
+  concat_and_cache_mla(device, ctx);
+  EXPECT_EQ(counts_to_string(expected), kNoErrors);
+  EXPECT_EQ(counts_to_string(counts.read()), kNoErrors);
+  expect_cache_untouched(cache);
+}
+
+TEST_P(ZeroTokens, DecodeQConcatWritesNothing) {
+  const Device dev = GetParam().device;
+  std::mt19937_64 rng(903);
+  const int64_t rows = 2, H = 4, L = 512, R = 64;
+  Tensor ql_nope = random_tensor(dev, DType::kBFloat16, {rows, H, L}, rng);
+  Tensor q_pe = random_tensor(dev, DType::kBFloat16, {rows, H, R}, rng);
+  for (DType qd : {DType::kBFloat16, DType::kFloat8E4M3}) {
+    SCOPED_TRACE(dtype_name(qd));
+    Tensor q_out = poisoned_tensor(dev, qd, {rows, H, L + R});
+    DecodeQConcatParams host, device;
+    for (auto [p, on_host] : {std::pair{&host, true}, std::pair{&device, false}}) {
+      auto v = [&](const Tensor& t) { return on_host ? t.host_view() : t.device_view(); };
+      p->num_tokens = 0;
+      p->ql_nope = v(ql_nope);
+      p->q_pe = v(q_pe);
+      p->q_out = v(q_out);
+    }
+    ref::decode_q_concat(host);
+    ErrorCounts counts(dev);
+    Context ctx;
+    ctx.error_counts = counts.device_ptr();
+    decode_q_concat(device, ctx);
+    EXPECT_EQ(counts_to_string(counts.read()), kNoErrors);
+    EXPECT_TRUE(buffer_matches(*q_out.buffer, "q_out"));
+    EXPECT_TRUE(buffer_unchanged(*q_out.buffer, "q_out"));
+  }
+}
+
+TEST_P(ZeroTokens, RmsNormWritesNothing) {
+  const Device dev = GetParam().device;
+  std::mt19937_64 rng(904);
+  const int64_t rows = 2, N = 512;
+  Tensor input = random_tensor(dev, DType::kBFloat16, {rows, N}, rng);
+  Tensor weight = random_tensor(dev, DType::kBFloat16, {N}, rng);
+  Tensor output = poisoned_tensor(dev, DType::kBFloat16, {rows, N});
+  for (bool in_place : {false, true}) {
+    SCOPED_TRACE(in_place ? "in place" : "separate output");
+    const Tensor& out = in_place ? input : output;
+    RmsNormParams host, device;
+    for (auto [p, on_host] : {std::pair{&host, true}, std::pair{&device, false}}) {
+      auto v = [&](const Tensor& t) { return on_host ? t.host_view() : t.device_view(); };
+      p->num_tokens = 0;
+      p->input = v(input);
+      p->weight = v(weight);
+      p->output = v(out);
+    }
+    ref::rms_norm(host);
+    ErrorCounts counts(dev);
+    Context ctx;
+    ctx.error_counts = counts.device_ptr();
+    rms_norm(device, ctx);
+    EXPECT_EQ(counts_to_string(counts.read()), kNoErrors);
+    EXPECT_TRUE(buffer_unchanged(*out.buffer, "output"));
+    EXPECT_TRUE(buffer_unchanged(*input.buffer, "input"));
+  }
+}
+
+TEST_P(ZeroTokens, GatherCacheSlotsWritesNothing) {
+  const Device dev = GetParam().device;
+  TestCache cache = sentinel_cache(dev);
+  const int64_t D = cache.geometry.L + cache.geometry.R;
+  // Valid, padding and out-of-range slots: none may be read, zeroed or counted.
+  Tensor slots = index_tensor(dev, DType::kInt64, {0, -1, cache.num_slots() + 3});
+  for (DType od : {DType::kBFloat16, DType::kFloat32}) {
+    SCOPED_TRACE(dtype_name(od));
+    Tensor out = poisoned_tensor(dev, od, {3, D});
+    GatherCacheSlotsParams host, device;
+    for (auto [p, on_host] : {std::pair{&host, true}, std::pair{&device, false}}) {
+      auto v = [&](const Tensor& t) { return on_host ? t.host_view() : t.device_view(); };
+      p->num_tokens = 0;
+      p->kv_cache = on_host ? cache.host_view() : cache.device_view();
+      p->slots = v(slots);
+      p->out = v(out);
+    }
+    std::vector<int32_t> expected(kNumErrorCounters, 0);
+    ref::gather_cache_slots(host, expected.data());
+    ErrorCounts counts(dev);
+    Context ctx;
+    ctx.error_counts = counts.device_ptr();
+    gather_cache_slots(device, ctx);
+    EXPECT_EQ(counts_to_string(expected), kNoErrors);
+    EXPECT_EQ(counts_to_string(counts.read()), kNoErrors);
+    EXPECT_TRUE(buffer_unchanged(*out.buffer, "out"));
+    expect_cache_untouched(cache);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(All, ZeroTokens, testing::ValuesIn(all_backends()), backend_param_name);
+
+// ---- gather_cache_sequences past the block-table row -------------------------------------------
+// ops.h: token i of sequence b lives in block block_table[b, i / block_size]; a block id outside
+// [0, num_blocks) gives zeros and is counted; rows at or past out.shape[0] are never written. A
+// token with i / block_size >= max_blocks_per_seq has no block-table entry at all: its row is
+// zeros and counted (kBadBlockIndex) once, and the next row of the table is never used for it.
+class GatherPastTable : public testing::TestWithParam<std::tuple<Backend, DType>> {};
+
+TEST_P(GatherPastTable, ZerosCountedAndOutputBounded) {
+  const Device dev = std::get<0>(GetParam()).device;
+  const DType od = std::get<1>(GetParam());
+  std::mt19937_64 rng(905);
+  CacheGeometry g;
+  g.block_size = 4;
+  g.num_blocks = 12;
+  TestCache cache = new_cache(dev, g);
+  const int64_t bs = g.block_size, n = cache.num_slots(), D = g.L + g.R;
+  // Every slot holds a real entry (written by the reference from random values).
+  {
+    Tensor kv_c = random_tensor(dev, DType::kBFloat16, {n, g.L}, rng);
+    Tensor k_pe = random_tensor(dev, DType::kBFloat16, {n, g.R}, rng);
+    std::vector<int64_t> all(static_cast<size_t>(n));
+    std::iota(all.begin(), all.end(), 0);
+    Tensor slots = index_tensor(dev, DType::kInt64, all);
+    ConcatAndCacheMlaParams p;
+    p.num_tokens = n;
+    p.kv_c = kv_c.host_view();
+    p.k_pe = k_pe.host_view();
+    p.slot_mapping = slots.host_view();
+    p.kv_cache = cache.host_view();
+    ref::concat_and_cache_mla(p);
+    cache.data->upload();
+  }
+  // max_blocks_per_seq = 2 covers 8 tokens. Sequence 0 has 11 (3 rows past its row), sequence 1
+  // has 8 (exactly covered), sequence 2 has 10 (2 past), the last has 6, of which only 3 fit in
+  // out. Every table entry, the spare row after the last sequence included, is a valid block, so
+  // a backend reading past a row would copy real data instead of zeros.
+  const int64_t max_blocks = 2;
+  const std::vector<int64_t> lens = {11, 8, 10, 6};
+  const int64_t B = static_cast<int64_t>(lens.size());
+  std::vector<int64_t> cu(static_cast<size_t>(B + 1), 0);
+  for (int64_t b = 0; b < B; ++b) cu[b + 1] = cu[b] + lens[b];
+  const int64_t out_rows = cu[B] - 3;
+  Tensor block_table = new_tensor(dev, DType::kInt32, {B + 1, max_blocks});
+  std::vector<int64_t> table_values(static_cast<size_t>((B + 1) * max_blocks));
+  std::uniform_int_distribution<int64_t> any_block(0, g.num_blocks - 1);
+  for (auto& b : table_values) b = any_block(rng);
+  set_indices(block_table.view(0, {(B + 1) * max_blocks}, {1}), table_values);
+  block_table.buffer->upload();
+  Tensor cu_seq_lens = index_tensor(dev, DType::kInt32, cu);
+  // The buffer has 4 more rows past the view: the last sequence's rows past out.shape[0] and
+  // beyond must stay poisoned.
+  Tensor out = new_strided_tensor(dev, od, (out_rows + 4) * D, {out_rows, D}, {D, 1});
+  fill_bytes(*out.buffer, kPoisonByte);
+  out.buffer->upload();
+  ErrorCounts counts(dev);
+
+  GatherCacheSequencesParams host, device;
+  for (auto [p, on_host] : {std::pair{&host, true}, std::pair{&device, false}}) {
+    auto v = [&](const Tensor& t) { return on_host ? t.host_view() : t.device_view(); };
+    p->num_seqs = B;
+    p->kv_cache = on_host ? cache.host_view() : cache.device_view();
+    p->block_table = v(block_table);
+    p->cu_seq_lens = v(cu_seq_lens);
+    p->out = v(out);
+  }
+
+  // The contract, independently of the reference: which rows are zeros, which are entries.
+  const int64_t elem = dtype_size(od);
+  std::vector<uint8_t> planned = out.buffer->initial;
+  int32_t planned_bad = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t i = 0; i < lens[b] && cu[b] + i < out_rows; ++i) {
+      uint8_t* row = planned.data() + (cu[b] + i) * D * elem;
+      if (i / bs >= max_blocks) {
+        std::fill(row, row + D * elem, uint8_t{0});
+        ++planned_bad;
+        continue;
+      }
+      const int64_t slot = table_values[b * max_blocks + i / bs] * bs + i % bs;
+      // Entries are read back by a one-slot gather of the reference.
+      Tensor one_slot = index_tensor(dev, DType::kInt64, {slot});
+      Tensor one_row = new_tensor(dev, od, {1, D});
+      GatherCacheSlotsParams p;
+      p.num_tokens = 1;
+      p.kv_cache = cache.host_view();
+      p.slots = one_slot.host_view();
+      p.out = one_row.host_view();
+      ref::gather_cache_slots(p);
+      std::copy(one_row.buffer->host.begin(), one_row.buffer->host.end(), row);
+    }
+  }
+  EXPECT_EQ(planned_bad, 3 + 2);
+
+  std::vector<int32_t> expected(kNumErrorCounters, 0);
+  ref::gather_cache_sequences(host, expected.data());
+  EXPECT_EQ(expected[kBadBlockIndex], planned_bad) << "the reference's count disagrees with ops.h";
+  EXPECT_TRUE(bytes_equal(out.buffer->host, planned, "reference out vs ops.h"));
+  Context ctx;
+  ctx.error_counts = counts.device_ptr();
+  gather_cache_sequences(device, ctx);
+  std::vector<int32_t> planned_counts(kNumErrorCounters, 0);
+  planned_counts[kBadBlockIndex] = planned_bad;
+  EXPECT_EQ(counts_to_string(counts.read()), counts_to_string(planned_counts));
+  EXPECT_TRUE(bytes_equal(out.buffer->download(), planned, "out"));
+  EXPECT_TRUE(buffer_unchanged(*cache.data, "kv_cache"));
+  EXPECT_TRUE(buffer_unchanged(*block_table.buffer, "block_table"));
+}
+
+std::string past_table_name(const testing::TestParamInfo<std::tuple<Backend, DType>>& info) {
+  return std::get<0>(info.param).name + "_out_" + dtype_name(std::get<1>(info.param));
+}
+
+INSTANTIATE_TEST_SUITE_P(All, GatherPastTable,
+                         testing::Combine(testing::ValuesIn(all_backends()),
+                                          testing::Values(DType::kBFloat16, DType::kFloat32)),
+                         past_table_name);
+
+}  // namespace
+}  // namespace test
+}  // namespace mlakv
