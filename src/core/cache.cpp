@@ -78,9 +78,11 @@ int64_t cache_entry_bytes(CacheFormat format, int64_t L, int64_t R) {
   return (L + R) * static_cast<int64_t>(dtype_size(cache_latent_dtype(format)));
 }
 
-KVCacheView make_cache_view(void* data, CacheFormat format, int64_t num_blocks, int64_t block_size,
-                            int64_t L, int64_t R, Device device) {
-  MLAKV_CHECK(num_blocks >= 0 && block_size >= 1, "make_cache_view: expected num_blocks >= 0 and ",
+namespace {
+// The geometry both layouts share; `op` names the caller in the error message.
+KVCacheView cache_geometry(const char* op, CacheFormat format, int64_t num_blocks,
+                           int64_t block_size, int64_t L, int64_t R, Device device) {
+  MLAKV_CHECK(num_blocks >= 0 && block_size >= 1, op, ": expected num_blocks >= 0 and ",
               "block_size >= 1, got num_blocks = ", num_blocks, ", block_size = ", block_size);
   KVCacheView v;
   v.format = format;
@@ -89,6 +91,13 @@ KVCacheView make_cache_view(void* data, CacheFormat format, int64_t num_blocks, 
   v.block_size = block_size;
   v.kv_lora_rank = L;
   v.rope_dim = R;
+  return v;
+}
+}  // namespace
+
+KVCacheView make_cache_view(void* data, CacheFormat format, int64_t num_blocks, int64_t block_size,
+                            int64_t L, int64_t R, Device device) {
+  KVCacheView v = cache_geometry("make_cache_view", format, num_blocks, block_size, L, R, device);
   v.data = data;
   v.stride_token_bytes = cache_entry_bytes(format, L, R);
   v.stride_block_bytes = block_size * v.stride_token_bytes;
@@ -100,19 +109,11 @@ KVCacheView make_split_cache_view(void* latent_data, void* rope_data, CacheForma
                                   Device device) {
   MLAKV_CHECK(format != CacheFormat::kFloat8DsMla,
               "make_split_cache_view: format: fp8_ds_mla has only the combined layout");
-  MLAKV_CHECK(num_blocks >= 0 && block_size >= 1,
-              "make_split_cache_view: expected num_blocks >= 0 and block_size >= 1, got ",
-              "num_blocks = ", num_blocks, ", block_size = ", block_size);
+  KVCacheView v =
+      cache_geometry("make_split_cache_view", format, num_blocks, block_size, L, R, device);
   MLAKV_CHECK(L >= 0 && R >= 0, "make_split_cache_view: expected L >= 0 and R >= 0, got L = ", L,
               ", R = ", R);
   const int64_t elem = static_cast<int64_t>(dtype_size(cache_latent_dtype(format)));
-  KVCacheView v;
-  v.format = format;
-  v.device = device;
-  v.num_blocks = num_blocks;
-  v.block_size = block_size;
-  v.kv_lora_rank = L;
-  v.rope_dim = R;
   v.data = latent_data;
   v.stride_token_bytes = L * elem;
   v.stride_block_bytes = block_size * L * elem;
