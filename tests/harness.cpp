@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <numeric>
 #include <sstream>
 
 #include "reference/reference.h"
@@ -293,6 +294,29 @@ TestCache new_cache(Device device, const CacheGeometry& g) {
     set_scalar_f32(c.scale, g.scale);
   }
   return c;
+}
+
+void fill_cache_with_entries(Device device, TestCache& cache, std::mt19937_64& rng) {
+  const CacheGeometry& g = cache.geometry;
+  const int64_t n = cache.num_slots();
+  Tensor kv_c = new_tensor(device, DType::kBFloat16, {n, g.L});
+  Tensor k_pe = new_tensor(device, DType::kBFloat16, {n, g.R});
+  Tensor slots = new_tensor(device, DType::kInt64, {n});
+  fill_random(*kv_c.buffer, DType::kBFloat16, rng, 4.0f);
+  fill_random(*k_pe.buffer, DType::kBFloat16, rng, 4.0f);
+  std::vector<int64_t> all(static_cast<size_t>(n));
+  std::iota(all.begin(), all.end(), 0);
+  set_indices(slots, all);
+  ConcatAndCacheMlaParams p;
+  p.num_tokens = n;
+  p.kv_c = kv_c.host_view();
+  p.k_pe = k_pe.host_view();
+  p.slot_mapping = slots.host_view();
+  p.kv_cache = cache.host_view();
+  ref::concat_and_cache_mla(p);
+  cache.data->upload();
+  if (cache.rope_data) cache.rope_data->upload();
+  if (cache.scale.present()) cache.scale.buffer->upload();
 }
 
 void expect_cache_matches(const TestCache& cache, const std::vector<int64_t>& written_slots,

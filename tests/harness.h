@@ -141,6 +141,9 @@ struct TestCache {
   int64_t num_slots() const { return geometry.num_blocks * geometry.block_size; }
 };
 TestCache new_cache(Device device, const CacheGeometry& geometry);
+// Writes a real entry into every slot of `cache` (random bf16 kv_c / k_pe through the reference's
+// concat_and_cache_mla) and uploads it: a cache to read back from.
+void fill_cache_with_entries(Device device, TestCache& cache, std::mt19937_64& rng);
 
 using ref::norm_tolerance_codes;  // tests/reference/reference.h
 

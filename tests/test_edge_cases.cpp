@@ -6,7 +6,6 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
-#include <numeric>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -270,23 +269,9 @@ TEST_P(GatherPastTable, ZerosCountedAndOutputBounded) {
   g.block_size = 4;
   g.num_blocks = 12;
   TestCache cache = new_cache(dev, g);
-  const int64_t bs = g.block_size, n = cache.num_slots(), D = g.L + g.R;
+  const int64_t bs = g.block_size, D = g.L + g.R;
   // Every slot holds a real entry (written by the reference from random values).
-  {
-    Tensor kv_c = random_tensor(dev, DType::kBFloat16, {n, g.L}, rng);
-    Tensor k_pe = random_tensor(dev, DType::kBFloat16, {n, g.R}, rng);
-    std::vector<int64_t> all(static_cast<size_t>(n));
-    std::iota(all.begin(), all.end(), 0);
-    Tensor slots = index_tensor(dev, DType::kInt64, all);
-    ConcatAndCacheMlaParams p;
-    p.num_tokens = n;
-    p.kv_c = kv_c.host_view();
-    p.k_pe = k_pe.host_view();
-    p.slot_mapping = slots.host_view();
-    p.kv_cache = cache.host_view();
-    ref::concat_and_cache_mla(p);
-    cache.data->upload();
-  }
+  fill_cache_with_entries(dev, cache, rng);
   // max_blocks_per_seq = 2 covers 8 tokens. Sequence 0 has 11 (3 rows past its row), sequence 1
   // has 8 (exactly covered), sequence 2 has 10 (2 past), the last has 6, of which only 3 fit in
   // out. Every table entry, the spare row after the last sequence included, is a valid block, so

@@ -38,25 +38,7 @@ TestCache filled_cache(Device dev, const GatherCase& c, std::mt19937_64& rng) {
   g.scale = c.scale;
   if (c.split) g.token_pad_bytes = 16;
   TestCache cache = new_cache(dev, g);
-  const int64_t n = cache.num_slots();
-  Tensor kv_c = new_tensor(dev, DType::kBFloat16, {n, c.L});
-  Tensor k_pe = new_tensor(dev, DType::kBFloat16, {n, c.R});
-  Tensor slots = new_tensor(dev, DType::kInt64, {n});
-  fill_random(*kv_c.buffer, DType::kBFloat16, rng, 4.0f);
-  fill_random(*k_pe.buffer, DType::kBFloat16, rng, 4.0f);
-  std::vector<int64_t> all(static_cast<size_t>(n));
-  std::iota(all.begin(), all.end(), 0);
-  set_indices(slots, all);
-  ConcatAndCacheMlaParams p;
-  p.num_tokens = n;
-  p.kv_c = kv_c.host_view();
-  p.k_pe = k_pe.host_view();
-  p.slot_mapping = slots.host_view();
-  p.kv_cache = cache.host_view();
-  ref::concat_and_cache_mla(p);
-  cache.data->upload();
-  if (cache.rope_data) cache.rope_data->upload();
-  if (cache.scale.present()) cache.scale.buffer->upload();
+  fill_cache_with_entries(dev, cache, rng);
   return cache;
 }
 
