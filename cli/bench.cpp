@@ -530,6 +530,8 @@ int run_bench(const BenchOptions& options) {
   progress.show("measuring copy bandwidth...");
   const double roofline_gbps =
       copy_roofline_gbps(*timer, on_cuda ? (size_t{1} << 30) : (size_t{256} << 20));
+  progress.show("measuring the launch floor...");
+  const Timing floor = timer->time({timer->empty_op()});
   progress.clear();
 
   // Shared by every row: the YaRN cos/sin table, the fp8 scales and the error counters.
@@ -562,6 +564,8 @@ int run_bench(const BenchOptions& options) {
       "copy = a %s of bytes/2 (the same traffic), same rotation\n",
       roofline_gbps, on_cuda ? "1 GiB cudaMemcpyAsync D2D" : "256 MiB memcpy over all threads",
       on_cuda ? "D2D copy" : "memcpy");
+  std::printf("launch floor %.2f us (%s, timed as the ops are)\n", floor.median_us,
+              on_cuda ? "an empty one-warp kernel" : "an empty OpenMP parallel region");
   std::printf("spread = p10-p90; speedup = unfused / fused time\n\n");
   std::printf("%-21s %6s %10s %19s %10s %8s %6s %9s %10s %8s\n", "workload", "T", "fused_us",
               "spread_us", "bytes", "GB/s", "%copy", "copy_us", "unfused_us", "speedup");
@@ -666,6 +670,7 @@ int run_bench(const BenchOptions& options) {
                             {"fp8_cache_scale", kFp8CacheScale},
                             {"fp8_q_scale", kFp8QScale}}},
                           {"copy_roofline_gbps", roofline_gbps},
+                          {"launch_floor", timing_json(floor)},
                           {"rows", rows}};
     std::ofstream file(options.json_path);
     MLAKV_CHECK(file.good(), "bench: --json: cannot open '", options.json_path, "' for writing");

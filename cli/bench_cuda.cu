@@ -21,6 +21,8 @@ namespace mlakv {
 namespace cli {
 namespace {
 
+__global__ void empty_kernel() {}
+
 // Owns a set of events, a graph and its executable; frees them on every exit path.
 struct GraphResources {
   cudaGraph_t graph = nullptr;
@@ -144,6 +146,13 @@ class CudaTimer : public Timer {
       MLAKV_CLI_CUDA_CHECK(cudaMemcpy2DAsync(dst, dst_pitch_bytes, src, src_pitch_bytes,
                                              width_bytes, rows, cudaMemcpyDeviceToDevice,
                                              static_cast<cudaStream_t>(stream)));
+    };
+  }
+
+  Op empty_op() override {
+    return [](void* stream) {
+      empty_kernel<<<1, 32, 0, static_cast<cudaStream_t>(stream)>>>();
+      MLAKV_CLI_CUDA_CHECK(cudaGetLastError());
     };
   }
 

@@ -61,6 +61,16 @@ class CpuTimer : public Timer {
     return t;
   }
 
+  // The CPU backend's fixed cost: one OpenMP fork and join over its threads.
+  Op empty_op() override {
+    return [](void*) {
+      int touched = 0;
+#pragma omp parallel num_threads(omp_get_max_threads()) reduction(+ : touched)
+      touched += 1;
+      (void)touched;
+    };
+  }
+
   Op copy_op(void* dst, const void* src, size_t bytes) override {
     // As many threads as the CPU backend uses: a single-threaded memcpy underestimates the
     // bandwidth the machine offers.

@@ -1,20 +1,25 @@
 #!/usr/bin/env bash
 # The GPU run: build with CUDA, run the tests, the CUDA sanitizers, `mlakv check` and `mlakv bench`,
-# writing every log under $OUT and printing only short summaries (last, so that a tool that keeps
-# the tail of stdout keeps them). Meant for a machine without network: header-only dependencies
+# writing every log under $LOGS and printing only short summaries (last, so that a tool that keeps
+# the tail of stdout keeps them). $OUT receives few files: summary.txt, bench.txt / bench.json when
+# the bench ran, and logs.tar.gz with every log. Meant for a machine without network: header-only dependencies
 # and googletest come from .deps/ (scripts/vendor_deps.sh).
 #
-#   scripts/gpu_run.sh [stage...]     stages: build test sanitize check bench python
+#   scripts/gpu_run.sh [stage...]     stages: build test sanitize check bench python profile
 #                                     default: build test sanitize check bench
 #   One call that must finish in 10 minutes: run the stages in groups, e.g. `build`, then
 #   `test check`, then `sanitize`, then `bench` (the build folder stays between calls).
 #
 # Environment:
 #   OUT              results folder (default build-gpu/gpu-out)
+#   LOGS             folder of the full logs (default build-gpu/gpu-logs)
 #   BUILD_DIR        build folder (default build-gpu)
 #   JOBS             build parallelism (default 16)
 #   SANITIZE_FILTER  gtest filter of the sanitizer runs (default: the CUDA-parameterized tests)
 #   STAGE_TIMEOUT    seconds per stage command before it is killed (default 540)
+#   PROFILE_CASES    workload:T pairs that `profile` runs under Nsight Compute (one fused-kernel
+#                    launch each; default: decode_nope_in_q_out:1 decode_bf16:1 decode_bf16:2048
+#                    prefill_bf16:8192)
 #   WERROR           ON to build with -DMLAKV_WERROR=ON (default OFF: a ptxas spill warning must
 #                    not cost a whole GPU run; the summary counts warnings instead)
 set -uo pipefail
@@ -23,17 +28,19 @@ ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"
 BUILD_DIR=${BUILD_DIR:-$ROOT/build-gpu}
 OUT=${OUT:-$BUILD_DIR/gpu-out}
+LOGS=${LOGS:-$BUILD_DIR/gpu-logs}
 JOBS=${JOBS:-16}
 SANITIZE_FILTER=${SANITIZE_FILTER:-*cuda*:*Cuda*:*CUDA*}
 STAGE_TIMEOUT=${STAGE_TIMEOUT:-540}
 WERROR=${WERROR:-OFF}
-mkdir -p "$OUT"
+mkdir -p "$OUT" "$LOGS"
+rm -f "$LOGS"/*
 if [[ -d /usr/local/cuda/bin ]]; then export PATH=/usr/local/cuda/bin:$PATH; fi
 
 stages=("$@")
 ((${#stages[@]} == 0)) && stages=(build test sanitize check bench)
 
-SUMMARY=$OUT/summary.txt
+SUMMARY=$LOGS/summary.txt
 : >"$SUMMARY"
 note() { echo "$*" | tee -a "$SUMMARY"; }
 # run_logged NAME LOG COMMAND...: runs the command with a timeout, output to LOG; notes the status.
@@ -55,26 +62,26 @@ stage_build() {
     nvidia-smi -L 2>&1 || true
     nvcc --version 2>&1 | tail -2
     cmake --version | head -1
-  } >"$OUT/machine.txt"
-  run_logged configure "$OUT/configure.log" \
+  } >"$LOGS/machine.txt"
+  run_logged configure "$LOGS/configure.log" \
     cmake -S "$ROOT" -B "$BUILD_DIR" -DCMAKE_BUILD_TYPE=Release -DMLAKV_CUDA=ON \
     -DMLAKV_DEPS_DIR="$ROOT/.deps" -DMLAKV_WERROR="$WERROR" || return 1
-  run_logged build "$OUT/build.log" cmake --build "$BUILD_DIR" -j"$JOBS" || {
-    grep -E "error|Error" "$OUT/build.log" | head -20 | tee -a "$SUMMARY"
+  run_logged build "$LOGS/build.log" cmake --build "$BUILD_DIR" -j"$JOBS" || {
+    grep -E "error|Error" "$LOGS/build.log" | head -20 | tee -a "$SUMMARY"
     return 1
   }
-  note "  build.log: $(grep -c 'warning' "$OUT/build.log") warning lines," \
-    "$(grep -c 'spilled' "$OUT/build.log") register-spill lines"
-  "$BUILD_DIR/mlakv" info >"$OUT/info.txt" 2>&1
-  sed -n '/backends:/,$p' "$OUT/info.txt" | tee -a "$SUMMARY"
+  note "  build.log: $(grep -c 'warning' "$LOGS/build.log") warning lines," \
+    "$(grep -c 'spilled' "$LOGS/build.log") register-spill lines"
+  "$BUILD_DIR/mlakv" info >"$LOGS/info.txt" 2>&1
+  sed -n '/backends:/,$p' "$LOGS/info.txt" | tee -a "$SUMMARY"
 }
 
 stage_test() {
-  run_logged ctest "$OUT/ctest.log" \
+  run_logged ctest "$LOGS/ctest.log" \
     ctest --test-dir "$BUILD_DIR" --output-on-failure -j8 --timeout 300
   local rc=$?
-  grep -E "tests passed|tests failed|Total Test time" "$OUT/ctest.log" | tee -a "$SUMMARY"
-  grep -E "^\s+[0-9]+ - .*\((Failed|Timeout|SEGFAULT|Subprocess)" "$OUT/ctest.log" | head -20 |
+  grep -E "tests passed|tests failed|Total Test time" "$LOGS/ctest.log" | tee -a "$SUMMARY"
+  grep -E "^\s+[0-9]+ - .*\((Failed|Timeout|SEGFAULT|Subprocess)" "$LOGS/ctest.log" | head -20 |
     tee -a "$SUMMARY"
   return $rc
 }
@@ -82,27 +89,27 @@ stage_test() {
 stage_sanitize() {
   local tool rc=0
   for tool in memcheck racecheck; do
-    run_logged "compute-sanitizer $tool" "$OUT/$tool.log" \
+    run_logged "compute-sanitizer $tool" "$LOGS/$tool.log" \
       compute-sanitizer --tool "$tool" --error-exitcode 1 --print-limit 20 \
       "$BUILD_DIR/mlakv_tests" --gtest_filter="$SANITIZE_FILTER" --gtest_brief=1 || rc=1
     grep -E "ERROR SUMMARY|RACECHECK SUMMARY|tests? (ran|PASSED|FAILED)|\[  (PASSED|FAILED)" \
-      "$OUT/$tool.log" | tail -4 | tee -a "$SUMMARY"
+      "$LOGS/$tool.log" | tail -4 | tee -a "$SUMMARY"
   done
   return $rc
 }
 
 stage_check() {
-  run_logged "mlakv check" "$OUT/check.txt" "$BUILD_DIR/mlakv" check --backend all
+  run_logged "mlakv check" "$LOGS/check.txt" "$BUILD_DIR/mlakv" check --backend all
   local rc=$?
-  grep -E "PASS|FAIL|MISMATCH|summary|skipped" "$OUT/check.txt" | tail -12 | tee -a "$SUMMARY"
+  grep -E "PASS|FAIL|MISMATCH|summary|skipped" "$LOGS/check.txt" | tail -12 | tee -a "$SUMMARY"
   return $rc
 }
 
 stage_bench() {
-  run_logged "mlakv bench" "$OUT/bench.txt" \
-    "$BUILD_DIR/mlakv" bench --json "$OUT/bench.json"
+  run_logged "mlakv bench" "$LOGS/bench.txt" \
+    "$BUILD_DIR/mlakv" bench --json "$LOGS/bench.json"
   local rc=$?
-  cat "$OUT/bench.txt" >>"$SUMMARY"
+  cat "$LOGS/bench.txt" >>"$SUMMARY"
   return $rc
 }
 
@@ -112,18 +119,43 @@ stage_python() {
     return 0
   fi
   MLAKV_PY_SYSTEM=1 MLAKV_PY_CUDA=1 CMAKE_BUILD_PARALLEL_LEVEL=$JOBS \
-    run_logged python "$OUT/python.log" bash scripts/test_python.sh
+    run_logged python "$LOGS/python.log" bash scripts/test_python.sh
   local rc=$?
-  tail -n 5 "$OUT/python.log" | tee -a "$SUMMARY"
+  tail -n 5 "$LOGS/python.log" | tee -a "$SUMMARY"
+  return $rc
+}
+
+# One launch of the fused kernel per workload:T under ncu (clocks left alone): duration, memory
+# throughput, occupancy, warp stall reasons and the hottest source lines.
+stage_profile() {
+  local spec w t rc=0 r STALL_METRICS=""
+  for r in long_scoreboard imc_miss no_instruction wait lg_throttle drain barrier membar \
+    short_scoreboard mio_throttle math_pipe_throttle branch_resolving dispatch_stall not_selected \
+    selected misc sleeping tex_throttle; do
+    STALL_METRICS+="${STALL_METRICS:+,}smsp__average_warps_issue_stalled_${r}_per_issue_active.ratio"
+  done
+  for spec in ${PROFILE_CASES:-decode_nope_in_q_out:1 decode_bf16:1 decode_bf16:2048 prefill_bf16:8192}; do
+    w=${spec%%:*}
+    t=${spec##*:}
+    run_logged "ncu $spec" "$LOGS/ncu_${w}_${t}.txt" \
+      ncu --clock-control none --cache-control none -k regex:mla_rope_cache_kernel --launch-skip 8 --launch-count 1 \
+      --section SpeedOfLight --section LaunchStats --section Occupancy \
+      --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis \
+      --section SourceCounters --metrics "$STALL_METRICS" \
+      "$BUILD_DIR/mlakv" bench --backend cuda --workload "$w" --tokens "$t" --iters 20 \
+      --skip-check || rc=1
+    grep -E "^\s+(Duration|DRAM Throughput|Memory Throughput|Registers Per Thread|Achieved Occupancy|Theoretical Occupancy|Warp Cycles Per Issued Instruction|Block Limit [A-Z])|issue_stalled" \
+      "$LOGS/ncu_${w}_${t}.txt" | sed 's/  */ /g' | tee -a "$SUMMARY"
+  done
   return $rc
 }
 
 failed=()
 for stage in "${stages[@]}"; do
   case "$stage" in
-    build | test | sanitize | check | bench | python) ;;
+    build | test | sanitize | check | bench | python | profile) ;;
     *)
-      echo "unknown stage '$stage' (build test sanitize check bench python)" >&2
+      echo "unknown stage '$stage' (build test sanitize check bench python profile)" >&2
       exit 2
       ;;
   esac
@@ -132,8 +164,11 @@ for stage in "${stages[@]}"; do
   if [[ $stage == build && ${#failed[@]} -gt 0 ]]; then break; fi
 done
 
+cp "$SUMMARY" "$OUT/"
+for f in bench.txt bench.json; do [[ -f $LOGS/$f ]] && cp "$LOGS/$f" "$OUT/"; done
+tar -czf "$OUT/logs.tar.gz" -C "$LOGS" . 2>/dev/null
 echo
-echo "===== gpu_run summary (logs in $OUT) ====="
+echo "===== gpu_run summary (logs in $LOGS, copied to $OUT/logs.tar.gz) ====="
 cat "$SUMMARY"
 if ((${#failed[@]} > 0)); then
   echo "FAILED stages: ${failed[*]}"

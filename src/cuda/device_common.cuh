@@ -75,6 +75,35 @@ __device__ __forceinline__ Pair<T> rotate_pair(const Pair<T>& v, float c, float 
   return Pair<T>{num::from_float<T>(x), num::from_float<T>(y)};
 }
 
+// Two floats as fp8 (OCP e4m3 / e5m2) with the bits of num::from_float<Fp8>: saturating to
+// +-max (inf included), round-to-nearest-even, NaN -> 0x7f. On sm_89+ by the hardware conversion:
+// the input is first clamped to [-max, max], which the software rule maps to the same byte as the
+// unclamped value (every |x| >= max gives +-max) and which the conversion then rounds exactly
+// (round-to-nearest-even of an in-range value, subnormals and signed zeros included); NaN is set
+// to 0x7f from the input afterwards (fmaxf/fminf turn it into +-max, and the hardware's NaN byte
+// may carry the sign). src/cuda/rmsnorm_quant_kernel.cuh (rmsq::e4m3x4) relies on the same
+// conversion with the NaN byte fixed instead.
+template <typename Fp8>
+__device__ __forceinline__ void fp8x2_from_float(float a, float b, Fp8& ra, Fp8& rb) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  constexpr bool kE4M3 = std::is_same_v<Fp8, num::Fp8E4M3>;
+  constexpr float kMax = kE4M3 ? num::kE4M3Max : num::kE5M2Max;
+  const float ca = fminf(fmaxf(a, -kMax), kMax);
+  const float cb = fminf(fmaxf(b, -kMax), kMax);
+  uint16_t w;  // low byte: a
+  if constexpr (kE4M3) {
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(w) : "f"(cb), "f"(ca));
+  } else {
+    asm("cvt.rn.satfinite.e5m2x2.f32 %0, %1, %2;" : "=h"(w) : "f"(cb), "f"(ca));
+  }
+  ra.bits = a != a ? uint8_t{0x7f} : static_cast<uint8_t>(w & 0xffu);
+  rb.bits = b != b ? uint8_t{0x7f} : static_cast<uint8_t>(w >> 8);
+#else
+  ra = num::from_float<Fp8>(a);
+  rb = num::from_float<Fp8>(b);
+#endif
+}
+
 // A model-dtype value stored as Dst: the same bits when Dst is the model type, a rounding
 // conversion to another float type, or an fp8 quantization by `scale` (cvt(x / scale)).
 template <typename Dst, typename T>
@@ -88,17 +117,33 @@ __device__ __forceinline__ Dst encode(T m, float scale) {
   }
 }
 
+// The fp8 forms are num::quantize's cvt(div_rn(x, scale)) with the conversion two at a time.
 template <typename Dst, typename T>
 __device__ __forceinline__ Chunk<Dst> encode_chunk(const Chunk<T>& m, float scale) {
   Chunk<Dst> out;
+  if constexpr (kIsFp8<Dst> && !std::is_same_v<Dst, T>) {
 #pragma unroll
-  for (int e = 0; e < kChunkElems; ++e) out.v[e] = encode<Dst>(m.v[e], scale);
+    for (int e = 0; e < kChunkElems; e += 2) {
+      fp8x2_from_float(num::div_rn(num::to_float(m.v[e]), scale),
+                       num::div_rn(num::to_float(m.v[e + 1]), scale), out.v[e], out.v[e + 1]);
+    }
+  } else {
+#pragma unroll
+    for (int e = 0; e < kChunkElems; ++e) out.v[e] = encode<Dst>(m.v[e], scale);
+  }
   return out;
 }
 
 template <typename Dst, typename T>
 __device__ __forceinline__ Pair<Dst> encode_pair(const Pair<T>& m, float scale) {
-  return Pair<Dst>{encode<Dst>(m.x, scale), encode<Dst>(m.y, scale)};
+  if constexpr (kIsFp8<Dst> && !std::is_same_v<Dst, T>) {
+    Pair<Dst> out;
+    fp8x2_from_float(num::div_rn(num::to_float(m.x), scale), num::div_rn(num::to_float(m.y), scale),
+                     out.x, out.y);
+    return out;
+  } else {
+    return Pair<Dst>{encode<Dst>(m.x, scale), encode<Dst>(m.y, scale)};
+  }
 }
 
 // Element types of a cache format's latent and rope parts.

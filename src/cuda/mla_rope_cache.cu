@@ -11,8 +11,9 @@ namespace mlakv {
 namespace cuda {
 namespace {
 
-constexpr int kRopeSlotsHost = 8;  // mla_rope_cache_kernel.cuh kRopeSlots
-constexpr int kCopySlotsHost = 4;  // mla_rope_cache_kernel.cuh kCopySlots
+constexpr int kRopeSlotsHost = 8;       // mla_rope_cache_kernel.cuh kRopeSlots
+constexpr int kCopySlotsHost = 4;       // mla_rope_cache_kernel.cuh kCopySlots
+constexpr int kRopeChunkSlotsHost = 4;  // mla_rope_cache_kernel.cuh kRopeChunkSlots
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
@@ -40,7 +41,7 @@ CopyList make_copy_list(const void* src, int64_t stride_src_token, int64_t strid
 
 // The work lists of one launch. Host Td: each Q list covers exactly its rows. Device Td: both
 // decode and prefill lists cover all T rows and the kernel skips the rows on the other side.
-MlaRopeCacheKernelParams make_params(const core::MlaRopeCacheArgs& a, bool apply_rope,
+MlaRopeCacheKernelParams make_params(const core::MlaRopeCacheArgs& a, bool apply_rope, bool vec,
                                      int32_t* error_counts) {
   MlaRopeCacheKernelParams p;
   p.args = a;
@@ -61,6 +62,19 @@ MlaRopeCacheKernelParams make_params(const core::MlaRopeCacheArgs& a, bool apply
   const int64_t ppl = std::max<int64_t>(1, ceil_div(half, 32));
   p.rope_pairs_per_lane = static_cast<int32_t>(ppl);
   p.rope_heads_per_item = static_cast<int32_t>(std::max<int64_t>(1, kRopeSlotsHost / ppl));
+  // The chunked rope path: pairs are adjacent (GPT-J, or no rotation), every chunk is one aligned
+  // vector access (vec: L, P multiples of 8, 16-byte strides; R a multiple of 8) and a warp row of
+  // 32 lanes holds whole heads (R / 8 divides 32), so a lane's chunk column is fixed.
+  const int64_t cph = a.rope_dim / 8;
+  p.rope_chunked = vec && (!apply_rope || a.rope.style == RopeStyle::kGptJ) &&
+                   a.rope_dim % 8 == 0 && cph > 0 && 32 % cph == 0;
+  if (p.rope_chunked) {
+    // Whole slots of 32 / cph heads, no more slots than the heads need (H = 8: 2 of 4).
+    const int64_t hps = 32 / cph;
+    const int64_t slots =
+        std::min<int64_t>(kRopeChunkSlotsHost, std::max<int64_t>(1, ceil_div(H, hps)));
+    p.rope_heads_per_item = static_cast<int32_t>(hps * slots);
+  }
   p.rope_groups_per_token = H > 0 ? ceil_div(H, p.rope_heads_per_item) : 1;
   if (has_decode || has_prefill) {
     p.rope_token_begin = has_decode ? 0 : prefill_begin;
@@ -173,9 +187,9 @@ void run(const core::MlaRopeCacheArgs& a, bool apply_rope, const Context& ctx) {
   MLAKV_CHECK(a.rope_dim <= 256 && a.rope_dim % 2 == 0, "k_pe: expected an even R <= 256 on the ",
               "CUDA backend, got ", a.rope_dim);
   int32_t* error_counts = a.error_counts != nullptr ? a.error_counts : ctx.error_counts;
-  const MlaRopeCacheKernelParams p = make_params(a, apply_rope, error_counts);
-  if (p.num_items <= 0) return;
   const bool vec = vec_ok(a);
+  const MlaRopeCacheKernelParams p = make_params(a, apply_rope, vec, error_counts);
+  if (p.num_items <= 0) return;
   auto stream = static_cast<cudaStream_t>(ctx.stream);
   MLAKV_MODEL_DTYPE_SWITCH(a.model_dtype, "kv_c", T, [&] { dispatch_format<T>(p, vec, stream); });
 }

@@ -41,6 +41,10 @@ struct MlaRopeCacheKernelParams {
   int32_t rope_pairs_per_lane = 1;    // ceil(R / 2 / 32)
   int32_t rope_heads_per_item = 1;    // 8 / rope_pairs_per_lane
   int64_t num_rope_items = 0;
+  // Rope items move whole 8-element chunks (GPT-J or no rotation, vector access, R / 8 divides
+  // 32): rope_heads_per_item is then a multiple of 32 / (R / 8) heads, at most 4 times it, and
+  // rope_pairs_per_lane is unused.
+  bool rope_chunked = false;
   CopyList decode_copy;   // ql_nope -> q_out nope part, rows t < Td
   CopyList prefill_copy;  // q nope part -> q_prefill_out, rows t >= Td
   int64_t num_items = 0;  // all of the above

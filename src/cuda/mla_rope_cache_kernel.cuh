@@ -18,11 +18,23 @@
 //                                Cache entry (combined layout, bytes):
 //                                  [0, L*c) latent | [L*c, (L+R)*c) rope            raw / fp8
 //                                  [0,512) e4m3 | [512,528) 4 fp32 scales | [528,656) bf16 rope
-//   [T, T + T*G)               rope item, one token t and up to 8 / ppl heads (G groups per token):
-//                                slot s < 8 of lane l: head h0 + s / ppl, pair l + 32 * (s % ppl)
+//   [T, T + T*G)               rope item, one token t and a group of heads (G groups per token);
+//                                t < Td: q_pe -> q_out[t, h, L:]; t >= Td: q[t, h, P:] -> in place
+//                                or q_prefill_out[t, h, P:]. Two mappings (p.rope_chunked, host):
+//                                chunked (GPT-J or no rotation, 16-byte path, R / 8 = cph divides
+//                                32): hps = 32 / cph heads per slot, up to 4 slots (hps * min(4,
+//                                ceil(H / hps)) heads per item); slot s of lane l holds the chunk
+//                                c = l % cph (elements 8c .. 8c + 7 = pairs 4c .. 4c + 3) of head
+//                                h0 + s * hps + l / cph:
+//                                  R = 64 bf16: |h0 c0..c7|h1 c0..c7|h2 ..|h3 ..|  slot 0
+//                                                l0 .. l7  l8 .. l15 ...          |h4 .. h7| slot 1
+//                                  (16 heads an item for H >= 16, 4 16-byte loads a lane in
+//                                  flight, cos/sin columns 4c .. 4c + 3 and R/2 + 4c .. read once
+//                                  per item; 8 slots would spill under the 80-register cap);
+//                                otherwise (NeoX, unaligned, other R): up to 8 / ppl heads, slot
+//                                s < 8 of lane l: head h0 + s / ppl, pair l + 32 * (s % ppl)
 //                                (ppl = pairs per lane = ceil(R / 64)); all pair loads of the item
-//                                are in flight together. t < Td: q_pe -> q_out[t, h, L:];
-//                                t >= Td: q[t, h, P:] -> in place or q_prefill_out[t, h, P:].
+//                                are in flight together.
 //   then decode copy items     ql_nope[t, h, :L] -> q_out[t, h, :L] (converted / quantized), rows
 //                                t < Td; slot s < 4 of lane l: row r0 + s / spr, chunk
 //                                l + 32 * (s % spr) (spr = ceil(L / 256)): a pure streaming copy of
@@ -30,9 +42,9 @@
 //   then prefill copy items    q[t, h, :P] -> q_prefill_out[t, h, :P], rows t >= Td, same mapping.
 //
 // Aliasing: k_pe_out may be k_pe, kv_c_out may be kv_c, q_out's rope part may be q_pe,
-// q_prefill_out may be q: each element is read and written by the same lane, all reads before the
-// writes. Td from the device is read by every warp (never on the host), clamped to [0, T]; block 0
-// counts.
+// q_prefill_out may be q: each element is read and written by the same lane (in both rope
+// mappings), all reads before the writes. Td from the device is read by every warp (never on the
+// host), clamped to [0, T]; block 0 counts.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -55,6 +67,7 @@ constexpr int kMaxLatentChunksPerLane = kMaxLatent / kChunkElems / kWarpSize;  /
 constexpr int kMaxRopePairsPerLane = 256 / 2 / kWarpSize;                      // R <= 256: 4
 constexpr int kRopeSlots = 8;
 constexpr int kCopySlots = 4;
+constexpr int kRopeChunkSlots = 4;
 
 namespace mla_detail {
 
@@ -81,12 +94,10 @@ __device__ __forceinline__ void k_side_item(const MlaRopeCacheKernelParams& p, i
   const bool has_norm = a.kv_norm_weight != nullptr;
   const bool neox = p.apply_rope && a.rope.style == RopeStyle::kNeox;
 
-  // Every input of the token is requested before the first use.
+  // Every input of the token is requested before the first use, the rows first: the cos/sin loads
+  // wait for the position (and its error count keeps the compiler from hoisting later loads above
+  // it), so issuing the row loads before it overlaps them with that dependent round trip.
   const int64_t slot = load_index(a.slot_mapping, t);
-  int64_t pos = 0;
-  if (p.apply_rope) {
-    pos = clamped_position(a.positions, a.rope.max_pos, t, lane == 0 ? p.error_counts : nullptr);
-  }
   const T* kv_c = static_cast<const T*>(a.kv_c) + t * a.stride_kv_c_token;
   const T* weight = static_cast<const T*>(a.kv_norm_weight);
   Chunk<T> x[kMaxLatentChunksPerLane];
@@ -102,14 +113,22 @@ __device__ __forceinline__ void k_side_item(const MlaRopeCacheKernelParams& p, i
   if (kVec && has_norm) cp_async_commit();
   const T* k_pe = static_cast<const T*>(a.k_pe) + t * a.stride_k_pe_token;
   Pair<T> r[kMaxRopePairsPerLane];
-  float cs[kMaxRopePairsPerLane] = {};
-  float sn[kMaxRopePairsPerLane] = {};
 #pragma unroll
   for (int j = 0; j < kMaxRopePairsPerLane; ++j) {
     const int pr = lane + kWarpSize * j;
     if (pr < half) {
       r[j] = load_pair<kVec>(k_pe, pair_first(neox, pr), pair_second(neox, pr, half), !neox);
-      if (p.apply_rope) {
+    }
+  }
+  float cs[kMaxRopePairsPerLane] = {};
+  float sn[kMaxRopePairsPerLane] = {};
+  if (p.apply_rope) {
+    const int64_t pos =
+        clamped_position(a.positions, a.rope.max_pos, t, lane == 0 ? p.error_counts : nullptr);
+#pragma unroll
+    for (int j = 0; j < kMaxRopePairsPerLane; ++j) {
+      const int pr = lane + kWarpSize * j;
+      if (pr < half) {
         cs[j] = load_table(a.rope, pos, pr);
         sn[j] = load_table(a.rope, pos, half + pr);
       }
@@ -292,6 +311,84 @@ __device__ __forceinline__ void rope_item(const MlaRopeCacheKernelParams& p, int
   }
 }
 
+// Rope item i of the chunked path (GPT-J or no rotation, kVec, R / 8 divides 32; decided on the
+// host, p.rope_chunked): token t, heads [h0, h0 + rope_heads_per_item). The rope part of a head is
+// cph = R / 8 chunks of 8 elements (4 adjacent pairs, 16 bytes of bf16); slot s < 4 of lane l holds
+// chunk c = l % cph of head h0 + s * (32 / cph) + l / cph, so a lane's 4 pairs use the same cos/sin
+// columns 4c .. 4c + 3 in every slot (read once) and all chunk loads are in flight together.
+// rope_heads_per_item is a multiple of 32 / cph, so a slot is used by all lanes or by none.
+// Every element gets exactly rotate_pair / encode_pair's operations.
+template <typename T, typename QOut>
+__device__ __forceinline__ void rope_item_chunked(const MlaRopeCacheKernelParams& p, int64_t i,
+                                                  int64_t td, float q_scale, int lane) {
+  const core::MlaRopeCacheArgs& a = p.args;
+  const int64_t group = i / p.rope_groups_per_token;
+  const int64_t t = p.rope_token_begin + group;
+  const int64_t h0 = (i - group * p.rope_groups_per_token) * p.rope_heads_per_item;
+  const bool decode = t < td;
+  if (decode ? a.q_out == nullptr : a.q == nullptr) return;
+  const int64_t H = a.num_heads;
+  const int64_t L = a.kv_lora_rank;
+  const int64_t P = a.nope_dim;
+  const int half = static_cast<int>(a.rope_dim / 2);
+  const int cph = static_cast<int>(a.rope_dim / kChunkElems);
+  const int hps = kWarpSize / cph;  // heads per slot
+  const int c = lane % cph;
+  const int64_t e0 = static_cast<int64_t>(c) * kChunkElems;
+
+  Chunk<T> v[kRopeChunkSlots];
+#pragma unroll
+  for (int s = 0; s < kRopeChunkSlots; ++s) {
+    const int g = s * hps + lane / cph;
+    const int64_t h = h0 + g;
+    if (g < p.rope_heads_per_item && h < H) {
+      const T* src =
+          decode ? static_cast<const T*>(a.q_pe) + t * a.stride_q_pe_token + h * a.stride_q_pe_head
+                 : static_cast<const T*>(a.q) + t * a.stride_q_token + h * a.stride_q_head + P;
+      v[s] = load_chunk<true>(src + e0, kChunkElems);
+    }
+  }
+  constexpr int kPairs = kChunkElems / 2;
+  float cs[kPairs] = {};
+  float sn[kPairs] = {};
+  if (p.apply_rope) {
+    // Bad positions are counted once per token, by its K item.
+    const int64_t pos = clamped_position(a.positions, a.rope.max_pos, t, nullptr);
+#pragma unroll
+    for (int j = 0; j < kPairs; ++j) {
+      cs[j] = load_table(a.rope, pos, c * kPairs + j);
+      sn[j] = load_table(a.rope, pos, half + c * kPairs + j);
+    }
+  }
+#pragma unroll
+  for (int s = 0; s < kRopeChunkSlots; ++s) {
+    const int g = s * hps + lane / cph;
+    const int64_t h = h0 + g;
+    if (g < p.rope_heads_per_item && h < H) {
+      Chunk<T> m = v[s];
+      if (p.apply_rope) {
+#pragma unroll
+        for (int j = 0; j < kPairs; ++j) {
+          const Pair<T> r = rotate_pair(Pair<T>{m.v[2 * j], m.v[2 * j + 1]}, cs[j], sn[j]);
+          m.v[2 * j] = r.x;
+          m.v[2 * j + 1] = r.y;
+        }
+      }
+      if (decode) {
+        QOut* dst =
+            static_cast<QOut*>(a.q_out) + t * a.stride_q_out_token + h * a.stride_q_out_head + L;
+        store_chunk<true>(dst + e0, encode_chunk<QOut>(m, q_scale), kChunkElems);
+      } else {
+        T* dst = a.q_prefill_out != nullptr
+                     ? static_cast<T*>(a.q_prefill_out) + t * a.stride_q_prefill_out_token +
+                           h * a.stride_q_prefill_out_head + P
+                     : static_cast<T*>(a.q) + t * a.stride_q_token + h * a.stride_q_head + P;
+        store_chunk<true>(dst + e0, m, kChunkElems);
+      }
+    }
+  }
+}
+
 // Copy item i of list c: rows [r0, r0 + rows_per_item) of t * H + h, decode rows (t < Td) or
 // prefill rows (t >= Td).
 template <typename T, typename Dst, bool kVec>
@@ -346,14 +443,11 @@ __device__ __forceinline__ void copy_item(const CopyList& c, int64_t i, bool dec
 
 }  // namespace mla_detail
 
-// 6 resident blocks (24 warps, <= 80 registers) for the 16-byte path of 16-bit models without fp8
-// outputs, which fits it without spilling. The fp8 variants call the IEEE division's slow path
-// (num::quantize), which spills under that cap: they, and the other variants, take what they need.
+// 6 resident blocks (24 warps, <= 80 registers) for the 16-byte path of 16-bit models, which fits
+// every cache format and q_out type without spilling now that the fp8 conversions are the hardware
+// ones (fp8x2_from_float); the element-wise path and fp32 models take what they need.
 template <typename T, CacheFormat kFormat, typename QOut, bool kVec>
-constexpr int kMlaMinBlocks = kVec && sizeof(T) == 2 && !kIsFp8<QOut> &&
-                                      !kIsFp8<typename CacheTraits<kFormat>::Latent>
-                                  ? 6
-                                  : 1;
+constexpr int kMlaMinBlocks = kVec && sizeof(T) == 2 ? 6 : 1;
 
 template <typename T, CacheFormat kFormat, typename QOut, bool kVec>
 __global__ void __launch_bounds__(kMlaThreads, (kMlaMinBlocks<T, kFormat, QOut, kVec>))
@@ -392,6 +486,12 @@ __global__ void __launch_bounds__(kMlaThreads, (kMlaMinBlocks<T, kFormat, QOut, 
   }
   i -= p.num_k_items;
   if (i < p.num_rope_items) {
+    if constexpr (kVec) {
+      if (p.rope_chunked) {
+        mla_detail::rope_item_chunked<T, QOut>(p, i, td, q_scale, lane);
+        return;
+      }
+    }
     mla_detail::rope_item<T, QOut, kVec>(p, i, td, q_scale, lane);
     return;
   }
