@@ -17,6 +17,7 @@
 #   JOBS             build parallelism (default 16)
 #   SANITIZE_FILTER  gtest filter of the sanitizer runs (default: the CUDA-parameterized tests)
 #   STAGE_TIMEOUT    seconds per stage command before it is killed (default 540)
+#   SANITIZE_TIMEOUT the same for each sanitizer run (default STAGE_TIMEOUT)
 #   PROFILE_CASES    workload:T pairs that `profile` runs under Nsight Compute (one fused-kernel
 #                    launch each; default: decode_nope_in_q_out:1 decode_bf16:1 decode_bf16:2048
 #                    prefill_bf16:8192)
@@ -87,7 +88,7 @@ stage_test() {
 }
 
 stage_sanitize() {
-  local tool rc=0
+  local tool rc=0 STAGE_TIMEOUT=${SANITIZE_TIMEOUT:-$STAGE_TIMEOUT}
   for tool in memcheck racecheck; do
     run_logged "compute-sanitizer $tool" "$LOGS/$tool.log" \
       compute-sanitizer --tool "$tool" --error-exitcode 1 --print-limit 20 \
@@ -161,6 +162,9 @@ for stage in "${stages[@]}"; do
   esac
   echo "== $stage" >>"$SUMMARY"
   "stage_$stage" >/dev/null || failed+=("$stage")
+  # What has run so far reaches $OUT even if a later stage outlives the caller's time limit.
+  cp "$SUMMARY" "$OUT/"
+  for f in bench.txt bench.json; do [[ -f $LOGS/$f ]] && cp "$LOGS/$f" "$OUT/"; done
   if [[ $stage == build && ${#failed[@]} -gt 0 ]]; then break; fi
 done
 

@@ -104,28 +104,69 @@ __device__ __forceinline__ void fp8x2_from_float(float a, float b, Fp8& ra, Fp8&
 #endif
 }
 
+// x / b for many x and one b, bit-identical to __fdiv_rn(x, b) (IEEE division, what num::div_rn
+// is on the device) at a third of its cost. The compiler's division of a by b is: y0 = MUFU.RCP(b),
+// y = fma(y0, fma(y0, -b, 1), y0), q0 = a * y, q = fma(y, fma(q0, -b, a), q0), taken when a range
+// check (FCHK) passes, else a slow subroutine. Here the reciprocal part (the MUFU, a quarter-rate
+// unit, and two fmas) is done once per divisor instead of once per element, and each element runs
+// the same three operations on the same y, so the quotient has the same bits; the range check is
+// a stricter one of our own (|a| and |b| in [2^-60, 2^60]: no quotient, remainder or product near
+// the subnormal or overflow range), and everything outside it (zeros, subnormals, inf, NaN, huge
+// values) takes __fdiv_rn itself. tests/test_cuda_numerics.cu compares the two exhaustively.
+struct Divisor {
+  float b = 1.0f;
+  float y = 1.0f;     // refined reciprocal of b
+  bool fast = false;  // |b| in [2^-60, 2^60]
+};
+
+__device__ __forceinline__ bool div_fast_range(float v) {
+  const float m = fabsf(v);
+  return m >= 0x1p-60f && m <= 0x1p60f;  // false for NaN
+}
+
+__device__ __forceinline__ Divisor make_divisor(float b) {
+  Divisor d;
+  d.b = b;
+  d.fast = div_fast_range(b);
+  float y0;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y0) : "f"(b));
+  d.y = __fmaf_rn(y0, __fmaf_rn(y0, -b, 1.0f), y0);
+  return d;
+}
+
+// The three-operation quotient; exact (== __fdiv_rn) when d.fast and div_fast_range(a).
+__device__ __forceinline__ float divide_fast(float a, const Divisor& d) {
+  const float q0 = __fmul_rn(a, d.y);
+  return __fmaf_rn(d.y, __fmaf_rn(q0, -d.b, a), q0);
+}
+
+__device__ __forceinline__ float divide(float a, const Divisor& d) {
+  return d.fast && div_fast_range(a) ? divide_fast(a, d) : __fdiv_rn(a, d.b);
+}
+
 // A model-dtype value stored as Dst: the same bits when Dst is the model type, a rounding
-// conversion to another float type, or an fp8 quantization by `scale` (cvt(x / scale)).
+// conversion to another float type, or an fp8 quantization by the scale (cvt(x / scale), the
+// bits of num::quantize).
 template <typename Dst, typename T>
-__device__ __forceinline__ Dst encode(T m, float scale) {
+__device__ __forceinline__ Dst encode(T m, const Divisor& scale) {
   if constexpr (std::is_same_v<Dst, T>) {
     return m;
   } else if constexpr (kIsFp8<Dst>) {
-    return num::quantize<Dst>(num::to_float(m), scale);
+    return num::from_float<Dst>(divide(num::to_float(m), scale));
   } else {
     return num::from_float<Dst>(num::to_float(m));
   }
 }
 
-// The fp8 forms are num::quantize's cvt(div_rn(x, scale)) with the conversion two at a time.
+// Element by element (divide() picks the path of each): the form for register-tight callers.
 template <typename Dst, typename T>
-__device__ __forceinline__ Chunk<Dst> encode_chunk(const Chunk<T>& m, float scale) {
+__device__ __forceinline__ Chunk<Dst> encode_chunk_each(const Chunk<T>& m, const Divisor& scale) {
   Chunk<Dst> out;
   if constexpr (kIsFp8<Dst> && !std::is_same_v<Dst, T>) {
 #pragma unroll
     for (int e = 0; e < kChunkElems; e += 2) {
-      fp8x2_from_float(num::div_rn(num::to_float(m.v[e]), scale),
-                       num::div_rn(num::to_float(m.v[e + 1]), scale), out.v[e], out.v[e + 1]);
+      fp8x2_from_float(divide(num::to_float(m.v[e]), scale),
+                       divide(num::to_float(m.v[e + 1]), scale), out.v[e], out.v[e + 1]);
     }
   } else {
 #pragma unroll
@@ -134,16 +175,91 @@ __device__ __forceinline__ Chunk<Dst> encode_chunk(const Chunk<T>& m, float scal
   return out;
 }
 
+// Every element of a chunk through __fdiv_rn and the full conversion (zeros, subnormals, inf,
+// NaN, extreme scales): out of line, so that the common path stays short.
 template <typename Dst, typename T>
-__device__ __forceinline__ Pair<Dst> encode_pair(const Pair<T>& m, float scale) {
+__device__ __noinline__ Chunk<Dst> encode_chunk_exact(const Chunk<T> m, const float scale) {
+  Chunk<Dst> out;
+#pragma unroll
+  for (int e = 0; e < kChunkElems; e += 2) {
+    fp8x2_from_float(__fdiv_rn(num::to_float(m.v[e]), scale),
+                     __fdiv_rn(num::to_float(m.v[e + 1]), scale), out.v[e], out.v[e + 1]);
+  }
+  return out;
+}
+
+// The fp8 forms are num::quantize's cvt(x / scale). When every element and the scale are in the
+// divisor's fast range (the common case), the quotients are finite and need neither NaN handling
+// nor a clamp (satfinite saturates): divide_fast and the bare conversion, two at a time, and one
+// branch for the chunk; otherwise encode_chunk_exact.
+// (bf16 models only: an fp16 chunk's conversions need more registers, and the fused kernel's
+// fp16 instances then spill under their 80-register cap; they keep encode_chunk_each.)
+template <typename Dst, typename T>
+__device__ __forceinline__ Chunk<Dst> encode_chunk(const Chunk<T>& m, const Divisor& scale) {
+  Chunk<Dst> out;
+  if constexpr (kIsFp8<Dst> && !std::is_same_v<T, num::Bf16>) {
+    out = encode_chunk_each<Dst>(m, scale);
+  } else if constexpr (kIsFp8<Dst>) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+    static_assert(sizeof(Chunk<Dst>) == sizeof(uint2), "fp8 chunk: 8 bytes");
+    bool fast = scale.fast;
+    uint32_t words[2] = {0u, 0u};  // element e in byte e % 4 of word e / 4
+#pragma unroll
+    for (int e = 0; e < kChunkElems; e += 2) {
+      const float a0 = num::to_float(m.v[e]);
+      const float a1 = num::to_float(m.v[e + 1]);
+      fast = fast & div_fast_range(a0) & div_fast_range(a1);
+      const float q0 = divide_fast(a0, scale);
+      const float q1 = divide_fast(a1, scale);
+      uint16_t w;  // low byte: element e
+      if constexpr (std::is_same_v<Dst, num::Fp8E4M3>) {
+        asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(w) : "f"(q1), "f"(q0));
+      } else {
+        asm("cvt.rn.satfinite.e5m2x2.f32 %0, %1, %2;" : "=h"(w) : "f"(q1), "f"(q0));
+      }
+      words[e / 4] |= static_cast<uint32_t>(w) << (8 * (e % 4));
+    }
+    if (fast) {
+      detail::ChunkBits<Dst> u;
+      u.w[0] = make_uint2(words[0], words[1]);
+      out = u.c;
+    } else {
+      out = encode_chunk_exact<Dst>(m, scale.b);
+    }
+#else
+    out = encode_chunk_each<Dst>(m, scale);
+#endif
+  } else {
+#pragma unroll
+    for (int e = 0; e < kChunkElems; ++e) out.v[e] = encode<Dst>(m.v[e], scale);
+  }
+  return out;
+}
+
+template <typename Dst, typename T>
+__device__ __forceinline__ Pair<Dst> encode_pair(const Pair<T>& m, const Divisor& scale) {
   if constexpr (kIsFp8<Dst> && !std::is_same_v<Dst, T>) {
     Pair<Dst> out;
-    fp8x2_from_float(num::div_rn(num::to_float(m.x), scale), num::div_rn(num::to_float(m.y), scale),
-                     out.x, out.y);
+    fp8x2_from_float(divide(num::to_float(m.x), scale), divide(num::to_float(m.y), scale), out.x,
+                     out.y);
     return out;
   } else {
     return Pair<Dst>{encode<Dst>(m.x, scale), encode<Dst>(m.y, scale)};
   }
+}
+
+// Reads one word of every 64-byte line of a kernel's parameter block. A fresh launch finds them
+// in no multiprocessor's constant cache, and the item paths read their fields one dependent step
+// at a time (an item count, then a pointer, then a stride ...), each a miss that stalls the warp;
+// issued together here, the misses overlap. `never` must be false at run time: the trap it guards
+// only keeps the compiler from dropping the reads.
+template <typename P>
+__device__ __forceinline__ void prefetch_params(const P& p, bool never) {
+  const uint32_t* words = reinterpret_cast<const uint32_t*>(&p);
+  uint32_t x = 0;
+#pragma unroll
+  for (size_t i = 0; i < sizeof(P) / sizeof(uint32_t); i += 16) x ^= words[i];
+  if (never && x == 0x5a5a5a5au) __trap();
 }
 
 // Element types of a cache format's latent and rope parts.
@@ -228,7 +344,20 @@ __device__ __forceinline__ float accumulate_squares(const T* row, int64_t i_begi
                                                     float acc, int lane) {
   __syncwarp();
   if (lane < kSumLanes) {
-    for (int64_t i = i_begin + lane; i < i_end; i += kSumLanes) {
+    // Eight reads at a time ahead of the (ordered) additions: only the adds form a chain.
+    constexpr int kAhead = 8;
+    int64_t i = i_begin + lane;
+    for (; i + (kAhead - 1) * kSumLanes < i_end; i += kAhead * kSumLanes) {
+      float sq[kAhead];
+#pragma unroll
+      for (int k = 0; k < kAhead; ++k) {
+        const float v = num::to_float(row[i - i_begin + k * kSumLanes]);
+        sq[k] = num::mul_rn(v, v);
+      }
+#pragma unroll
+      for (int k = 0; k < kAhead; ++k) acc = num::add_rn(acc, sq[k]);
+    }
+    for (; i < i_end; i += kSumLanes) {
       const float v = num::to_float(row[i - i_begin]);
       acc = num::add_rn(acc, num::mul_rn(v, v));
     }

@@ -35,7 +35,7 @@ __device__ __forceinline__ Out dequantize(C v, float scale) {
   if constexpr (kIsFp8<C>) {
     return num::from_float<Out>(num::mul_rn(num::to_float(v), scale));
   } else {
-    return encode<Out>(v, 1.0f);
+    return encode<Out>(v, Divisor{});  // a conversion: no division happens
   }
 }
 

@@ -135,6 +135,8 @@ __device__ __forceinline__ void k_side_item(const MlaRopeCacheKernelParams& p, i
     }
   }
 
+  // After the loads are in flight: the scale's divisor (fp8 caches; unused and dropped otherwise).
+  const Divisor cache_div = make_divisor(cache_scale);
   if (has_norm) {
     // The row is copied to shared memory as it is (the 16 partial sums read it across lanes); the
     // float values are formed from the packed registers only where they are used, so no float copy
@@ -213,7 +215,8 @@ __device__ __forceinline__ void k_side_item(const MlaRopeCacheKernelParams& p, i
           amax = num::amax_update(amax, num::to_float(x[s].v[e]));
         amax = group_max(amax, kLanesPerTile);
         const float scale = num::ds_mla_tile_scale(amax, a.cache.ds_mla_pow2_scale);
-        store_chunk<kVec>(latent + k * kChunkElems, encode_chunk<Latent>(x[s], scale), kChunkElems);
+        store_chunk<kVec>(latent + k * kChunkElems,
+                          encode_chunk_each<Latent>(x[s], make_divisor(scale)), kChunkElems);
         if (k % kLanesPerTile == 0) {
           reinterpret_cast<float*>(entry.latent + kDsMlaLatentDim)[k / kLanesPerTile] = scale;
         }
@@ -224,7 +227,7 @@ __device__ __forceinline__ void k_side_item(const MlaRopeCacheKernelParams& p, i
     for (int s = 0; s < kMaxLatentChunksPerLane; ++s) {
       const int k = lane + kWarpSize * s;
       if (k < cpr) {
-        store_chunk<kVec>(latent + k * kChunkElems, encode_chunk<Latent>(x[s], cache_scale),
+        store_chunk<kVec>(latent + k * kChunkElems, encode_chunk<Latent>(x[s], cache_div),
                           kChunkElems);
       }
     }
@@ -235,7 +238,7 @@ __device__ __forceinline__ void k_side_item(const MlaRopeCacheKernelParams& p, i
     const int pr = lane + kWarpSize * j;
     if (pr < half) {
       store_pair<kVec>(rope, pair_first(neox, pr), pair_second(neox, pr, half), !neox,
-                       encode_pair<RopeT>(r[j], cache_scale));
+                       encode_pair<RopeT>(r[j], cache_div));
     }
   }
 }
@@ -286,6 +289,7 @@ __device__ __forceinline__ void rope_item(const MlaRopeCacheKernelParams& p, int
       v[s] = load_pair<kVec>(src, pair_first(neox, pr), pair_second(neox, pr, half), !neox);
     }
   }
+  const Divisor q_div = make_divisor(q_scale);  // fp8 q_out only
 #pragma unroll
   for (int s = 0; s < kRopeSlots; ++s) {
     const int g = s / ppl;
@@ -299,7 +303,7 @@ __device__ __forceinline__ void rope_item(const MlaRopeCacheKernelParams& p, int
       if (decode) {
         QOut* dst =
             static_cast<QOut*>(a.q_out) + t * a.stride_q_out_token + h * a.stride_q_out_head + L;
-        store_pair<kVec>(dst, first, second, !neox, encode_pair<QOut>(m, q_scale));
+        store_pair<kVec>(dst, first, second, !neox, encode_pair<QOut>(m, q_div));
       } else {
         T* dst = a.q_prefill_out != nullptr
                      ? static_cast<T*>(a.q_prefill_out) + t * a.stride_q_prefill_out_token +
@@ -348,6 +352,7 @@ __device__ __forceinline__ void rope_item_chunked(const MlaRopeCacheKernelParams
       v[s] = load_chunk<true>(src + e0, kChunkElems);
     }
   }
+  const Divisor q_div = make_divisor(q_scale);  // fp8 q_out only
   constexpr int kPairs = kChunkElems / 2;
   float cs[kPairs] = {};
   float sn[kPairs] = {};
@@ -377,7 +382,7 @@ __device__ __forceinline__ void rope_item_chunked(const MlaRopeCacheKernelParams
       if (decode) {
         QOut* dst =
             static_cast<QOut*>(a.q_out) + t * a.stride_q_out_token + h * a.stride_q_out_head + L;
-        store_chunk<true>(dst + e0, encode_chunk<QOut>(m, q_scale), kChunkElems);
+        store_chunk<true>(dst + e0, encode_chunk<QOut>(m, q_div), kChunkElems);
       } else {
         T* dst = a.q_prefill_out != nullptr
                      ? static_cast<T*>(a.q_prefill_out) + t * a.stride_q_prefill_out_token +
@@ -430,12 +435,13 @@ __device__ __forceinline__ void copy_item(const CopyList& c, int64_t i, bool dec
       int n;
       if (locate(kbase, s, src, dst, n)) v[s] = load_chunk<kVec>(src, n);
     }
+    const Divisor div = make_divisor(scale);  // fp8 destinations only
 #pragma unroll
     for (int s = 0; s < kCopySlots; ++s) {
       const T* src;
       Dst* dst;
       int n;
-      if (locate(kbase, s, src, dst, n)) store_chunk<kVec>(dst, encode_chunk<Dst>(v[s], scale), n);
+      if (locate(kbase, s, src, dst, n)) store_chunk<kVec>(dst, encode_chunk<Dst>(v[s], div), n);
     }
     if (packed) break;
   }
@@ -455,6 +461,7 @@ __global__ void __launch_bounds__(kMlaThreads, (kMlaMinBlocks<T, kFormat, QOut, 
   // RMSNorm scratch of each warp's token: the row as floats and the weight (vector path).
   __shared__ __align__(16) float norm_row[kMlaWarps][kMaxLatent];
   __shared__ __align__(16) T norm_weight[kMlaWarps][kMaxLatent];
+  prefetch_params(p, p.num_items <= 0);  // the launcher never launches an empty list
   const int lane = static_cast<int>(threadIdx.x) % kWarpSize;
   const int warp = static_cast<int>(threadIdx.x) / kWarpSize;
   const core::MlaRopeCacheArgs& a = p.args;
@@ -463,8 +470,9 @@ __global__ void __launch_bounds__(kMlaThreads, (kMlaMinBlocks<T, kFormat, QOut, 
   if (a.num_decode_tokens_device != nullptr) {
     const int64_t value = *a.num_decode_tokens_device;
     td = value < 0 ? 0 : (value > a.num_tokens ? a.num_tokens : value);
-    if (td != value && blockIdx.x == 0 && threadIdx.x == 0) {
-      count_error(p.error_counts, kBadDecodeCount);
+    // Only block 0's first thread waits for the value here; every other warp uses it late.
+    if (blockIdx.x == 0 && threadIdx.x == 0) {
+      if (td != value) count_error(p.error_counts, kBadDecodeCount);
     }
   }
   float q_scale = 1.0f;

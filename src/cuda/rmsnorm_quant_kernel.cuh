@@ -220,9 +220,10 @@ __global__ void __launch_bounds__(kRmsqMaxThreads)
     amax = group_max(amax, lanes_per_group);
     if (!active) continue;
     const float scale = core::group_scale(amax, task.scale_floor, task.pow2_scale);
+    const Divisor div = make_divisor(scale);  // device_common.cuh: the bits of div_rn
     float v[kChunkElems];
 #pragma unroll
-    for (int e = 0; e < kChunkElems; ++e) v[e] = num::div_rn(to_f(y.v[e]), scale);
+    for (int e = 0; e < kChunkElems; ++e) v[e] = divide(to_f(y.v[e]), div);
     uint2 bytes;
     bytes.x = e4m3x4(v[0], v[1], v[2], v[3]);
     bytes.y = e4m3x4(v[4], v[5], v[6], v[7]);

@@ -1,0 +1,215 @@
+// mlakv tests (CUDA builds only): the device numerics that are not the host's code, run on the GPU
+// and held bit for bit against the host's IEEE operations (skipped without a visible GPU):
+// - cuda::divide, the division by a shared divisor behind every fp8 quantization, against
+//   __fdiv_rn and the host's a / b, exhaustively over every bf16 and fp16 value for a set of
+//   divisors, and over random fp32 pairs;
+// - cuda::fp8x2_from_float (the hardware conversion) against num::from_float<Fp8>.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "common/numerics.h"
+#include "cuda/device_common.cuh"
+
+namespace mlakv {
+namespace {
+
+#define TEST_CUDA_OK(call)                                                         \
+  do {                                                                             \
+    const cudaError_t status_ = (call);                                            \
+    ASSERT_EQ(status_, cudaSuccess) << #call << ": " << cudaGetErrorName(status_); \
+  } while (0)
+
+__global__ void divide_kernel(const float* a, const float* b, int64_t n, uint32_t* fast,
+                              uint32_t* ieee) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  const cuda::Divisor d = cuda::make_divisor(b[i]);
+  fast[i] = __float_as_uint(cuda::divide(a[i], d));
+  ieee[i] = __float_as_uint(__fdiv_rn(a[i], b[i]));
+}
+
+template <typename Fp8>
+__global__ void fp8_kernel(const float* x, int64_t n, uint8_t* out) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (2 * i + 1 >= n) return;
+  Fp8 lo, hi;
+  cuda::fp8x2_from_float(x[2 * i], x[2 * i + 1], lo, hi);
+  out[2 * i] = lo.bits;
+  out[2 * i + 1] = hi.bits;
+}
+
+bool has_gpu() {
+  int count = 0;
+  return cudaGetDeviceCount(&count) == cudaSuccess && count > 0;
+}
+
+uint32_t host_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof(u));
+  return u;
+}
+
+float host_float(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+}
+
+// Device buffer of n T, freed on scope exit.
+template <typename T>
+struct DeviceArray {
+  T* ptr = nullptr;
+  explicit DeviceArray(size_t n) {
+    if (cudaMalloc(&ptr, n * sizeof(T)) != cudaSuccess) ptr = nullptr;
+  }
+  ~DeviceArray() { cudaFree(ptr); }
+  DeviceArray(const DeviceArray&) = delete;
+  DeviceArray& operator=(const DeviceArray&) = delete;
+};
+
+// Runs divide_kernel over the pairs and checks every quotient: the fast one equals __fdiv_rn's and
+// the host's IEEE quotient bit for bit (NaN: any NaN).
+void check_division(const std::vector<float>& a, const std::vector<float>& b, const char* what) {
+  const int64_t n = static_cast<int64_t>(a.size());
+  DeviceArray<float> da(a.size()), db(b.size());
+  DeviceArray<uint32_t> fast(a.size()), ieee(a.size());
+  ASSERT_TRUE(da.ptr && db.ptr && fast.ptr && ieee.ptr);
+  TEST_CUDA_OK(cudaMemcpy(da.ptr, a.data(), a.size() * 4, cudaMemcpyHostToDevice));
+  TEST_CUDA_OK(cudaMemcpy(db.ptr, b.data(), b.size() * 4, cudaMemcpyHostToDevice));
+  const int threads = 256;
+  divide_kernel<<<static_cast<unsigned>((n + threads - 1) / threads), threads>>>(
+      da.ptr, db.ptr, n, fast.ptr, ieee.ptr);
+  TEST_CUDA_OK(cudaGetLastError());
+  std::vector<uint32_t> hf(a.size()), hi(a.size());
+  TEST_CUDA_OK(cudaMemcpy(hf.data(), fast.ptr, a.size() * 4, cudaMemcpyDeviceToHost));
+  TEST_CUDA_OK(cudaMemcpy(hi.data(), ieee.ptr, a.size() * 4, cudaMemcpyDeviceToHost));
+  int64_t bad = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const float expect = a[i] / b[i];
+    const bool nan = std::isnan(expect);
+    const bool ok_fast = nan ? std::isnan(host_float(hf[i])) : hf[i] == host_bits(expect);
+    const bool ok_ieee = nan ? std::isnan(host_float(hi[i])) : hi[i] == host_bits(expect);
+    if (!ok_fast || !ok_ieee) {
+      if (++bad <= 5) {
+        ADD_FAILURE() << what << ": " << a[i] << " / " << b[i] << " = " << expect << " (0x"
+                      << std::hex << host_bits(expect) << "), divide 0x" << hf[i]
+                      << ", __fdiv_rn 0x" << hi[i] << std::dec;
+      }
+    }
+  }
+  EXPECT_EQ(bad, 0) << what << ": " << n << " quotients";
+}
+
+// Divisors: special ones, powers of two at the edges of the fast range and past them, and random
+// ones spread over the exponent range (log-uniform).
+std::vector<float> divisors(std::mt19937& rng, int random_count) {
+  std::vector<float> d = {1.0f,          448.0f,       57344.0f,        0.5f,           3.0f,
+                          1.0f / 3.0f,   0.0171f,      1.1754944e-38f,  1e-45f,         -2.5f,
+                          0x1p-60f,      0x1p60f,      0x1.fffffep-61f, 0x1.000002p60f, 3.4e38f,
+                          0x1.fffffep0f, 0x1.000002p0f};
+  std::uniform_real_distribution<float> exponent(-80.0f, 80.0f);
+  std::uniform_real_distribution<float> mantissa(1.0f, 2.0f);
+  for (int i = 0; i < random_count; ++i)
+    d.push_back(std::ldexp(mantissa(rng), static_cast<int>(exponent(rng))));
+  return d;
+}
+
+TEST(CudaNumerics, DivideMatchesIeeeOnEveryBf16Value) {
+  if (!has_gpu()) GTEST_SKIP() << "no CUDA device visible";
+  std::mt19937 rng(1234);
+  const std::vector<float> ds = divisors(rng, 48);
+  std::vector<float> a, b;
+  a.reserve(ds.size() << 16);
+  b.reserve(ds.size() << 16);
+  for (float d : ds) {
+    for (uint32_t u = 0; u < 65536; ++u) {
+      a.push_back(host_float(u << 16));
+      b.push_back(d);
+    }
+  }
+  check_division(a, b, "bf16 / divisor");
+}
+
+TEST(CudaNumerics, DivideMatchesIeeeOnEveryFp16Value) {
+  if (!has_gpu()) GTEST_SKIP() << "no CUDA device visible";
+  std::mt19937 rng(99);
+  const std::vector<float> ds = divisors(rng, 16);
+  std::vector<float> a, b;
+  for (float d : ds) {
+    for (uint32_t u = 0; u < 65536; ++u) {
+      a.push_back(num::to_float(num::Half{static_cast<uint16_t>(u)}));
+      b.push_back(d);
+    }
+  }
+  check_division(a, b, "fp16 / divisor");
+}
+
+TEST(CudaNumerics, DivideMatchesIeeeOnRandomFp32Pairs) {
+  if (!has_gpu()) GTEST_SKIP() << "no CUDA device visible";
+  std::mt19937 rng(7);
+  std::uniform_int_distribution<uint32_t> any_bits;
+  std::uniform_real_distribution<float> mantissa(1.0f, 2.0f);
+  std::uniform_int_distribution<int> near_exponent(-70, 70);
+  const size_t n = size_t{1} << 22;
+  std::vector<float> a(n), b(n);
+  for (size_t i = 0; i < n; ++i) {
+    // Half the pairs from all bit patterns (every class of float), half of moderate magnitude
+    // (the fast path), with significands of every kind.
+    if (i % 2 == 0) {
+      a[i] = host_float(any_bits(rng));
+      b[i] = host_float(any_bits(rng));
+    } else {
+      a[i] = std::ldexp(mantissa(rng), near_exponent(rng)) * (i % 4 == 1 ? -1.0f : 1.0f);
+      b[i] = std::ldexp(mantissa(rng), near_exponent(rng));
+    }
+  }
+  check_division(a, b, "fp32 / fp32");
+}
+
+template <typename Fp8>
+void check_fp8_conversion(const char* what) {
+  std::vector<float> x;
+  for (uint32_t u = 0; u < 65536; ++u) x.push_back(host_float(u << 16));  // every bf16 value
+  std::mt19937 rng(5);
+  std::uniform_int_distribution<uint32_t> any_bits;
+  for (int i = 0; i < (1 << 20); ++i) x.push_back(host_float(any_bits(rng)));
+  const int64_t n = static_cast<int64_t>(x.size());
+  DeviceArray<float> dx(x.size());
+  DeviceArray<uint8_t> dout(x.size());
+  ASSERT_TRUE(dx.ptr && dout.ptr);
+  TEST_CUDA_OK(cudaMemcpy(dx.ptr, x.data(), x.size() * 4, cudaMemcpyHostToDevice));
+  const int threads = 256;
+  fp8_kernel<Fp8>
+      <<<static_cast<unsigned>((n / 2 + threads - 1) / threads), threads>>>(dx.ptr, n, dout.ptr);
+  TEST_CUDA_OK(cudaGetLastError());
+  std::vector<uint8_t> out(x.size());
+  TEST_CUDA_OK(cudaMemcpy(out.data(), dout.ptr, x.size(), cudaMemcpyDeviceToHost));
+  int64_t bad = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const uint8_t expect = num::from_float<Fp8>(x[i]).bits;
+    if (out[i] != expect && ++bad <= 5) {
+      ADD_FAILURE() << what << ": " << x[i] << " (0x" << std::hex << host_bits(x[i])
+                    << ") -> device 0x" << int{out[i]} << ", host 0x" << int{expect} << std::dec;
+    }
+  }
+  EXPECT_EQ(bad, 0) << what << ": " << n << " values";
+}
+
+TEST(CudaNumerics, Fp8E4M3ConversionMatchesHost) {
+  if (!has_gpu()) GTEST_SKIP() << "no CUDA device visible";
+  check_fp8_conversion<num::Fp8E4M3>("e4m3");
+}
+
+TEST(CudaNumerics, Fp8E5M2ConversionMatchesHost) {
+  if (!has_gpu()) GTEST_SKIP() << "no CUDA device visible";
+  check_fp8_conversion<num::Fp8E5M2>("e5m2");
+}
+
+}  // namespace
+}  // namespace mlakv
