@@ -21,6 +21,8 @@
 #   PROFILE_CASES    workload:T pairs that `profile` runs under Nsight Compute (one fused-kernel
 #                    launch each; default: decode_nope_in_q_out:1 decode_bf16:1 decode_bf16:2048
 #                    prefill_bf16:8192)
+#   CMAKE_ARGS       more configure arguments, e.g. '-DMLAKV_CUDA_GENCODE=-gencode=arch=compute_90a,code=sm_90a'
+#                    (Hopper code only, no PTX: a faster build for a short verification run)
 #   WERROR           ON to build with -DMLAKV_WERROR=ON (default OFF: a ptxas spill warning must
 #                    not cost a whole GPU run; the summary counts warnings instead)
 set -uo pipefail
@@ -66,7 +68,7 @@ stage_build() {
   } >"$LOGS/machine.txt"
   run_logged configure "$LOGS/configure.log" \
     cmake -S "$ROOT" -B "$BUILD_DIR" -DCMAKE_BUILD_TYPE=Release -DMLAKV_CUDA=ON \
-    -DMLAKV_DEPS_DIR="$ROOT/.deps" -DMLAKV_WERROR="$WERROR" || return 1
+    -DMLAKV_DEPS_DIR="$ROOT/.deps" -DMLAKV_WERROR="$WERROR" ${CMAKE_ARGS:-} || return 1
   run_logged build "$LOGS/build.log" cmake --build "$BUILD_DIR" -j"$JOBS" || {
     grep -E "error|Error" "$LOGS/build.log" | head -20 | tee -a "$SUMMARY"
     return 1
