@@ -9,6 +9,13 @@
 //   prefill Q   one item per (Td <= t < T, chunk of heads): RoPE on the last R values of q.
 // A Q item loads cos/sin once for its heads. Bad positions are counted on the K side only (every
 // token has one K item), so a token counts once however many heads it has.
+//
+// Items ask ahead for what the following items of their list read at addresses the hardware
+// prefetchers do not guess: the cos/sin row of the next token (a random row of a table of tens of
+// MB), the next token's cache entry (a random slot) and, for prefill, the rope parts of the heads
+// kHeadChunk places ahead (128 bytes out of every 384-byte head row for DeepSeek-V3). A thread's
+// static range usually continues there; at the end of a range a few lines are fetched in vain.
+// A large q_out is written with streaming stores (detail::stream_bytes, kStreamBytes).
 #include <algorithm>
 #include <cstring>
 
@@ -26,6 +33,27 @@ using detail::ErrorTally;
 using KSideFn = void (*)(const MlaRopeCacheArgs&, int64_t, ErrorTally&);
 using QItemFn = void (*)(const MlaRopeCacheArgs&, int64_t, int64_t, int64_t);
 
+// Bytes of a cache entry: the latent part (up to the rope offset), then the rope part.
+template <typename Fmt>
+constexpr int64_t entry_bytes(int64_t L, int64_t R) {
+  return detail::rope_offset_bytes<Fmt>(L) + R * static_cast<int64_t>(sizeof(typename Fmt::Rope));
+}
+
+// The cos/sin row and the cache entry of token t (for k_side_token(t - 1)).
+void prefetch_k_side(const MlaRopeCacheArgs& a, int64_t t, int64_t rope_offset, int64_t bytes) {
+  detail::prefetch_cos_sin(a.rope, detail::clamped_position(a.positions, a.rope, t, nullptr),
+                           a.rope_dim);
+  const int64_t slot = detail::read_index(a.slot_mapping, t);
+  if (slot < 0 || slot >= a.cache.num_slots) return;
+  const detail::EntryPtrs entry = detail::cache_entry(a.cache, slot, rope_offset);
+  if (a.cache.rope_data == nullptr) {
+    detail::prefetch_write(entry.latent, bytes);
+  } else {
+    detail::prefetch_write(entry.latent, rope_offset);
+    detail::prefetch_write(entry.rope, bytes - rope_offset);
+  }
+}
+
 template <typename T, typename Fmt>
 void k_side_token(const MlaRopeCacheArgs& a, int64_t t, ErrorTally& tally) {
   const int64_t L = a.kv_lora_rank;
@@ -34,6 +62,8 @@ void k_side_token(const MlaRopeCacheArgs& a, int64_t t, ErrorTally& tally) {
   const int64_t slot = detail::read_index(a.slot_mapping, t);
   const T* kv_c = static_cast<const T*>(a.kv_c) + t * a.stride_kv_c_token;
   const T* k_pe = static_cast<const T*>(a.k_pe) + t * a.stride_k_pe_token;
+  if (t + 1 < a.num_tokens)
+    prefetch_k_side(a, t + 1, detail::rope_offset_bytes<Fmt>(L), entry_bytes<Fmt>(L, R));
 
   // Both rows are complete here before anything is written: kv_c_out / k_pe_out may alias them.
   alignas(64) T latent_buf[detail::kMaxLatent];
@@ -66,8 +96,16 @@ void k_side_token(const MlaRopeCacheArgs& a, int64_t t, ErrorTally& tally) {
   }
 }
 
-// q_out[t, h] for h in [h0, h1): nope part converted / quantized, rope part rotated.
-template <typename T, typename QOut>
+// The cos/sin row of token t, asked for by the first Q item of token t - 1.
+void prefetch_next_cos_sin(const MlaRopeCacheArgs& a, int64_t t) {
+  detail::prefetch_cos_sin(a.rope, detail::clamped_position(a.positions, a.rope, t, nullptr),
+                           a.rope_dim);
+}
+
+// q_out[t, h] for h in [h0, h1): nope part converted / quantized, rope part rotated. kStream (q_out
+// in the model dtype, nope part copied): q_out rows are written with streaming stores, the rope
+// part through a stack buffer.
+template <typename T, typename QOut, bool kStream>
 void decode_q_item(const MlaRopeCacheArgs& a, int64_t t, int64_t h0, int64_t h1) {
   const int64_t L = a.kv_lora_rank;
   const int64_t R = a.rope_dim;
@@ -76,31 +114,37 @@ void decode_q_item(const MlaRopeCacheArgs& a, int64_t t, int64_t h0, int64_t h1)
   const bool copy_nope = a.copy_nope && a.ql_nope != nullptr;
   CosSin cs;
   detail::load_cos_sin(a.rope, pos, R, cs);
+  if (h0 == 0 && t + 1 < a.num_tokens) prefetch_next_cos_sin(a, t + 1);
   // The q_pe rows are short and sit between long copies, so the hardware prefetcher does not
   // catch them: ask for all of this item's rows up front.
   for (int64_t h = h0; h < h1; ++h) {
-    const char* row = static_cast<const char*>(a.q_pe) +
-                      (t * a.stride_q_pe_token + h * a.stride_q_pe_head) * sizeof(T);
-    for (int64_t b = 0; b < R * static_cast<int64_t>(sizeof(T)); b += 64) {
-      __builtin_prefetch(row + b);
-    }
+    detail::prefetch_read(
+        static_cast<const T*>(a.q_pe) + t * a.stride_q_pe_token + h * a.stride_q_pe_head,
+        R * static_cast<int64_t>(sizeof(T)));
   }
   // Head by head, nope part then rope part: q_out is written front to back.
   for (int64_t h = h0; h < h1; ++h) {
     QOut* out = static_cast<QOut*>(a.q_out) + t * a.stride_q_out_token + h * a.stride_q_out_head;
     const T* q_pe =
         static_cast<const T*>(a.q_pe) + t * a.stride_q_pe_token + h * a.stride_q_pe_head;
-    if (copy_nope) {
-      const T* ql_nope =
-          static_cast<const T*>(a.ql_nope) + t * a.stride_ql_nope_token + h * a.stride_ql_nope_head;
-      detail::store_row(ql_nope, out, L, q_scale);
-    }
-    if constexpr (std::is_same_v<T, QOut>) {
-      detail::rope_row(q_pe, out + L, cs, R);
-    } else {
-      alignas(64) T rope_buf[detail::kMaxRope];
+    const T* ql_nope = copy_nope ? static_cast<const T*>(a.ql_nope) + t * a.stride_ql_nope_token +
+                                       h * a.stride_ql_nope_head
+                                 : nullptr;
+    alignas(64) T rope_buf[detail::kMaxRope];
+    if constexpr (kStream) {
+      static_assert(std::is_same_v<T, QOut>, "streaming stores copy model-dtype rows");
+      constexpr int64_t kElem = sizeof(T);
+      if (copy_nope) detail::stream_bytes(ql_nope, out, L * kElem);
       detail::rope_row(q_pe, rope_buf, cs, R);
-      detail::store_row(rope_buf, out + L, R, q_scale);
+      detail::stream_bytes(rope_buf, out + L, R * kElem);
+    } else {
+      if (copy_nope) detail::store_row(ql_nope, out, L, q_scale);
+      if constexpr (std::is_same_v<T, QOut>) {
+        detail::rope_row(q_pe, out + L, cs, R);
+      } else {
+        detail::rope_row(q_pe, rope_buf, cs, R);
+        detail::store_row(rope_buf, out + L, R, q_scale);
+      }
     }
   }
 }
@@ -113,9 +157,30 @@ void prefill_q_item(const MlaRopeCacheArgs& a, int64_t t, int64_t h0, int64_t h1
   const int64_t pos = detail::clamped_position(a.positions, a.rope, t, nullptr);
   CosSin cs;
   detail::load_cos_sin(a.rope, pos, R, cs);
+  if (h0 == 0 && t + 1 < a.num_tokens) prefetch_next_cos_sin(a, t + 1);
+  // In place, the rope parts are short rows at the head stride, read and written back: each head
+  // asks for the one kHeadChunk places later in (token, head) order, which spreads the requests
+  // over the item (a burst of a whole item's requests at its start stalled on the miss queue).
+  // With q_prefill_out whole head rows are read, which the hardware prefetchers follow.
+  const bool in_place = a.q_prefill_out == nullptr;
+  int64_t ahead_t = t;
+  int64_t ahead_h = h0 + detail::kHeadChunk;
+  while (ahead_h >= a.num_heads) {
+    ahead_h -= a.num_heads;
+    ++ahead_t;
+  }
   for (int64_t h = h0; h < h1; ++h) {
+    if (in_place && ahead_t < a.num_tokens) {
+      detail::prefetch_write(
+          static_cast<const T*>(a.q) + ahead_t * a.stride_q_token + ahead_h * a.stride_q_head + P,
+          R * static_cast<int64_t>(sizeof(T)));
+      if (++ahead_h == a.num_heads) {
+        ahead_h = 0;
+        ++ahead_t;
+      }
+    }
     T* q = static_cast<T*>(a.q) + t * a.stride_q_token + h * a.stride_q_head;
-    if (a.q_prefill_out != nullptr) {
+    if (!in_place) {
       T* out = static_cast<T*>(a.q_prefill_out) + t * a.stride_q_prefill_out_token +
                h * a.stride_q_prefill_out_head;
       detail::convert_row(q, out, P);
@@ -134,12 +199,14 @@ KSideFn select_k_side(CacheFormat format) {
 }
 
 template <typename T>
-QItemFn select_decode_q(DType q_out_dtype) {
+QItemFn select_decode_q(DType q_out_dtype, bool stream) {
   QItemFn fn = nullptr;
   detail::dispatch_value_dtype(q_out_dtype, "q_out", [&](auto q_out_tag) {
     using QOut = decltype(q_out_tag);
-    if constexpr (detail::kIsFp8<QOut> || std::is_same_v<QOut, T>) {
-      fn = &decode_q_item<T, QOut>;
+    if constexpr (std::is_same_v<QOut, T>) {
+      fn = stream ? &decode_q_item<T, QOut, true> : &decode_q_item<T, QOut, false>;
+    } else if constexpr (detail::kIsFp8<QOut>) {
+      fn = &decode_q_item<T, QOut, false>;
     } else {
       MLAKV_FAIL("q_out: expected the model dtype of kv_c or a float8 dtype, got ",
                  dtype_name(q_out_dtype));
@@ -178,14 +245,21 @@ void mla_rope_cache(const core::MlaRopeCacheArgs& args, const Context& ctx) {
   detail::dispatch_model_dtype(args.model_dtype, "kv_c", [&](auto model_tag) {
     using T_ = decltype(model_tag);
     const KSideFn k_side = select_k_side<T_>(args.cache.format);
-    const QItemFn decode_q =
-        args.q_out != nullptr && H > 0 && Td > 0 ? select_decode_q<T_>(args.q_out_dtype) : nullptr;
+    const int64_t elem = static_cast<int64_t>(sizeof(T_));
+    // Streaming stores pay off when whole q_out rows are copied (model-dtype q_out, nope part
+    // copied) and q_out is too large to be found in cache by its reader. An fp8 q_out is bound by
+    // the quantization, not by memory: regular stores.
+    const bool stream_q_out = args.q_out_dtype == args.model_dtype && args.copy_nope &&
+                              args.ql_nope != nullptr &&
+                              Td * H * (L + R) * elem >= detail::kStreamBytes;
+    const QItemFn decode_q = args.q_out != nullptr && H > 0 && Td > 0
+                                 ? select_decode_q<T_>(args.q_out_dtype, stream_q_out)
+                                 : nullptr;
     const QItemFn prefill_q = args.q != nullptr && H > 0 && Td < T ? &prefill_q_item<T_> : nullptr;
 
     const int64_t chunks = H > 0 ? (H + detail::kHeadChunk - 1) / detail::kHeadChunk : 0;
     const int64_t decode_items = decode_q != nullptr ? Td * chunks : 0;
     const int64_t prefill_items = prefill_q != nullptr ? (T - Td) * chunks : 0;
-    const int64_t elem = static_cast<int64_t>(sizeof(T_));
     const int64_t bytes = T * (L + R) * elem * 2 + Td * H * (L + R) * elem * 2 +
                           (T - Td) * H * (args.q_prefill_out != nullptr ? P + R : R) * elem * 2;
     const int threads = detail::threads_for(ctx, bytes, T + decode_items + prefill_items);
@@ -209,6 +283,7 @@ void mla_rope_cache(const core::MlaRopeCacheArgs& args, const Context& ctx) {
           prefill_q(args, Td + i / chunks, h0, std::min(H, h0 + detail::kHeadChunk));
         }
       }
+      if (stream_q_out) detail::stream_fence();
       tally.flush(args.error_counts);
     }
   });
