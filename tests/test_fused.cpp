@@ -207,6 +207,22 @@ std::vector<FusedSpec> q_side_specs() {
     s.norm = true;
     add(s, "tiny");
   }
+  {
+    // q_out past the CPU backend's streaming-store threshold (4 MB: 30 decode tokens of H 128,
+    // bf16): aligned rows, then rows padded by 3 elements (unaligned vector heads and tails), and
+    // mixed with prefill rows.
+    FusedSpec s = base(kDeepSeekV3, kFormats[0], 36, 36);
+    s.entry = Entry::kDecode;
+    s.prefill_q = false;
+    s.norm = true;
+    add(s, "large_decode");
+    s.row_pad = 3;
+    add(s, "large_decode_padded");
+    FusedSpec m = base(kDeepSeekV3, kFormats[0], 40, 36);
+    m.norm = true;
+    m.row_pad = 3;
+    add(m, "large_mixed_padded");
+  }
   return out;
 }
 
