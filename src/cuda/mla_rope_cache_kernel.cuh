@@ -243,19 +243,56 @@ __device__ __forceinline__ void k_side_item(const MlaRopeCacheKernelParams& p, i
   }
 }
 
+// Where rope item i works: token t, heads [h0, h0 + rope_heads_per_item), the decode side
+// (q_pe -> q_out[.., L:]) when t < Td, else the prefill side (q[.., P:] in place or into
+// q_prefill_out[.., P:]). Shared by both rope mappings.
+struct RopeItemPlace {
+  int64_t t = 0;
+  int64_t h0 = 0;
+  bool decode = false;
+};
+
+__device__ __forceinline__ RopeItemPlace rope_item_place(const MlaRopeCacheKernelParams& p,
+                                                         int64_t i, int64_t td) {
+  RopeItemPlace r;
+  const int64_t group = i / p.rope_groups_per_token;
+  r.t = p.rope_token_begin + group;
+  r.h0 = (i - group * p.rope_groups_per_token) * p.rope_heads_per_item;
+  r.decode = r.t < td;
+  return r;
+}
+
+// The rope part of row (t, h) this item reads, and the one it writes (as Out: QOut on the decode
+// side, T on the prefill side).
+template <typename T>
+__device__ __forceinline__ const T* rope_src(const core::MlaRopeCacheArgs& a, bool decode,
+                                             int64_t t, int64_t h) {
+  return decode
+             ? static_cast<const T*>(a.q_pe) + t * a.stride_q_pe_token + h * a.stride_q_pe_head
+             : static_cast<const T*>(a.q) + t * a.stride_q_token + h * a.stride_q_head + a.nope_dim;
+}
+
+template <typename Out>
+__device__ __forceinline__ Out* rope_dst(const core::MlaRopeCacheArgs& a, bool decode, int64_t t,
+                                         int64_t h) {
+  if (decode) {
+    return static_cast<Out*>(a.q_out) + t * a.stride_q_out_token + h * a.stride_q_out_head +
+           a.kv_lora_rank;
+  }
+  return a.q_prefill_out != nullptr
+             ? static_cast<Out*>(a.q_prefill_out) + t * a.stride_q_prefill_out_token +
+                   h * a.stride_q_prefill_out_head + a.nope_dim
+             : static_cast<Out*>(a.q) + t * a.stride_q_token + h * a.stride_q_head + a.nope_dim;
+}
+
 // Rope item i: token t, heads [h0, h0 + heads_per_item).
 template <typename T, typename QOut, bool kVec>
 __device__ __forceinline__ void rope_item(const MlaRopeCacheKernelParams& p, int64_t i, int64_t td,
                                           float q_scale, int lane) {
   const core::MlaRopeCacheArgs& a = p.args;
-  const int64_t group = i / p.rope_groups_per_token;
-  const int64_t t = p.rope_token_begin + group;
-  const int64_t h0 = (i - group * p.rope_groups_per_token) * p.rope_heads_per_item;
-  const bool decode = t < td;
+  const auto [t, h0, decode] = rope_item_place(p, i, td);
   if (decode ? a.q_out == nullptr : a.q == nullptr) return;
   const int64_t H = a.num_heads;
-  const int64_t L = a.kv_lora_rank;
-  const int64_t P = a.nope_dim;
   const int half = static_cast<int>(a.rope_dim / 2);
   const int ppl = p.rope_pairs_per_lane;
   const int hpi = p.rope_heads_per_item;
@@ -283,10 +320,8 @@ __device__ __forceinline__ void rope_item(const MlaRopeCacheKernelParams& p, int
     const int64_t h = h0 + g;
     const int pr = lane + kWarpSize * (s - g * ppl);
     if (g < hpi && h < H && pr < half) {
-      const T* src =
-          decode ? static_cast<const T*>(a.q_pe) + t * a.stride_q_pe_token + h * a.stride_q_pe_head
-                 : static_cast<const T*>(a.q) + t * a.stride_q_token + h * a.stride_q_head + P;
-      v[s] = load_pair<kVec>(src, pair_first(neox, pr), pair_second(neox, pr, half), !neox);
+      v[s] = load_pair<kVec>(rope_src<T>(a, decode, t, h), pair_first(neox, pr),
+                             pair_second(neox, pr, half), !neox);
     }
   }
   const Divisor q_div = make_divisor(q_scale);  // fp8 q_out only
@@ -301,15 +336,10 @@ __device__ __forceinline__ void rope_item(const MlaRopeCacheKernelParams& p, int
       const int64_t first = pair_first(neox, pr);
       const int64_t second = pair_second(neox, pr, half);
       if (decode) {
-        QOut* dst =
-            static_cast<QOut*>(a.q_out) + t * a.stride_q_out_token + h * a.stride_q_out_head + L;
-        store_pair<kVec>(dst, first, second, !neox, encode_pair<QOut>(m, q_div));
+        store_pair<kVec>(rope_dst<QOut>(a, true, t, h), first, second, !neox,
+                         encode_pair<QOut>(m, q_div));
       } else {
-        T* dst = a.q_prefill_out != nullptr
-                     ? static_cast<T*>(a.q_prefill_out) + t * a.stride_q_prefill_out_token +
-                           h * a.stride_q_prefill_out_head + P
-                     : static_cast<T*>(a.q) + t * a.stride_q_token + h * a.stride_q_head + P;
-        store_pair<kVec>(dst, first, second, !neox, m);
+        store_pair<kVec>(rope_dst<T>(a, false, t, h), first, second, !neox, m);
       }
     }
   }
@@ -326,14 +356,9 @@ template <typename T, typename QOut>
 __device__ __forceinline__ void rope_item_chunked(const MlaRopeCacheKernelParams& p, int64_t i,
                                                   int64_t td, float q_scale, int lane) {
   const core::MlaRopeCacheArgs& a = p.args;
-  const int64_t group = i / p.rope_groups_per_token;
-  const int64_t t = p.rope_token_begin + group;
-  const int64_t h0 = (i - group * p.rope_groups_per_token) * p.rope_heads_per_item;
-  const bool decode = t < td;
+  const auto [t, h0, decode] = rope_item_place(p, i, td);
   if (decode ? a.q_out == nullptr : a.q == nullptr) return;
   const int64_t H = a.num_heads;
-  const int64_t L = a.kv_lora_rank;
-  const int64_t P = a.nope_dim;
   const int half = static_cast<int>(a.rope_dim / 2);
   const int cph = static_cast<int>(a.rope_dim / kChunkElems);
   const int hps = kWarpSize / cph;  // heads per slot
@@ -346,10 +371,7 @@ __device__ __forceinline__ void rope_item_chunked(const MlaRopeCacheKernelParams
     const int g = s * hps + lane / cph;
     const int64_t h = h0 + g;
     if (g < p.rope_heads_per_item && h < H) {
-      const T* src =
-          decode ? static_cast<const T*>(a.q_pe) + t * a.stride_q_pe_token + h * a.stride_q_pe_head
-                 : static_cast<const T*>(a.q) + t * a.stride_q_token + h * a.stride_q_head + P;
-      v[s] = load_chunk<true>(src + e0, kChunkElems);
+      v[s] = load_chunk<true>(rope_src<T>(a, decode, t, h) + e0, kChunkElems);
     }
   }
   const Divisor q_div = make_divisor(q_scale);  // fp8 q_out only
@@ -380,15 +402,10 @@ __device__ __forceinline__ void rope_item_chunked(const MlaRopeCacheKernelParams
         }
       }
       if (decode) {
-        QOut* dst =
-            static_cast<QOut*>(a.q_out) + t * a.stride_q_out_token + h * a.stride_q_out_head + L;
-        store_chunk<true>(dst + e0, encode_chunk<QOut>(m, q_div), kChunkElems);
+        store_chunk<true>(rope_dst<QOut>(a, true, t, h) + e0, encode_chunk<QOut>(m, q_div),
+                          kChunkElems);
       } else {
-        T* dst = a.q_prefill_out != nullptr
-                     ? static_cast<T*>(a.q_prefill_out) + t * a.stride_q_prefill_out_token +
-                           h * a.stride_q_prefill_out_head + P
-                     : static_cast<T*>(a.q) + t * a.stride_q_token + h * a.stride_q_head + P;
-        store_chunk<true>(dst + e0, m, kChunkElems);
+        store_chunk<true>(rope_dst<T>(a, false, t, h) + e0, m, kChunkElems);
       }
     }
   }
