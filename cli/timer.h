@@ -36,8 +36,9 @@ class Timer {
   // cudaMemcpy2DAsync on CUDA).
   virtual Op copy_2d_op(void* dst, size_t dst_pitch_bytes, const void* src, size_t src_pitch_bytes,
                         size_t width_bytes, size_t rows) = 0;
-  // An op that does nothing on the device (an empty one-warp kernel on CUDA, an empty call on the
-  // CPU): timed like the ops, it is the launch floor no op can beat.
+  // An op that does nothing on the device (an empty one-warp kernel on CUDA, an empty OpenMP
+  // parallel region on the CPU): timed like the ops, the fixed cost of one launch. (Small CPU ops
+  // run on the calling thread without a parallel region and can come in under it.)
   virtual Op empty_op() = 0;
   // Input bytes beyond which rotation stops helping (a few times the last-level cache).
   virtual size_t rotation_bytes() const = 0;

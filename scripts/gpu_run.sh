@@ -36,6 +36,10 @@ JOBS=${JOBS:-16}
 SANITIZE_FILTER=${SANITIZE_FILTER:-*cuda*:*Cuda*:*CUDA*}
 STAGE_TIMEOUT=${STAGE_TIMEOUT:-540}
 WERROR=${WERROR:-OFF}
+if [[ $(realpath -m "$LOGS") == $(realpath -m "$OUT") ]]; then
+  echo "LOGS must be a folder of its own (it is emptied first), not OUT" >&2
+  exit 2
+fi
 mkdir -p "$OUT" "$LOGS"
 rm -f "$LOGS"/*
 if [[ -d /usr/local/cuda/bin ]]; then export PATH=/usr/local/cuda/bin:$PATH; fi
@@ -61,6 +65,8 @@ run_logged() {
 }
 
 stage_build() {
+  local cmake_args=()
+  read -ra cmake_args <<<"${CMAKE_ARGS:-}"  # split on spaces, no glob expansion
   {
     nvidia-smi -L 2>&1 || true
     nvcc --version 2>&1 | tail -2
@@ -68,7 +74,7 @@ stage_build() {
   } >"$LOGS/machine.txt"
   run_logged configure "$LOGS/configure.log" \
     cmake -S "$ROOT" -B "$BUILD_DIR" -DCMAKE_BUILD_TYPE=Release -DMLAKV_CUDA=ON \
-    -DMLAKV_DEPS_DIR="$ROOT/.deps" -DMLAKV_WERROR="$WERROR" ${CMAKE_ARGS:-} || return 1
+    -DMLAKV_DEPS_DIR="$ROOT/.deps" -DMLAKV_WERROR="$WERROR" "${cmake_args[@]}" || return 1
   run_logged build "$LOGS/build.log" cmake --build "$BUILD_DIR" -j"$JOBS" || {
     grep -E "error|Error" "$LOGS/build.log" | head -20 | tee -a "$SUMMARY"
     return 1

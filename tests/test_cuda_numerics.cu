@@ -3,7 +3,9 @@
 // - cuda::divide, the division by a shared divisor behind every fp8 quantization, against
 //   __fdiv_rn and the host's a / b, exhaustively over every bf16 and fp16 value for a set of
 //   divisors, and over random fp32 pairs;
-// - cuda::fp8x2_from_float (the hardware conversion) against num::from_float<Fp8>.
+// - cuda::fp8x2_from_float (the hardware conversion) against num::from_float<Fp8>;
+// - cuda::encode_chunk (the kernels' fp8 quantization of 8 values, fast and exact paths) against
+//   num::quantize.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -42,6 +44,18 @@ __global__ void fp8_kernel(const float* x, int64_t n, uint8_t* out) {
   cuda::fp8x2_from_float(x[2 * i], x[2 * i + 1], lo, hi);
   out[2 * i] = lo.bits;
   out[2 * i + 1] = hi.bits;
+}
+
+// encode_chunk: 8 bf16 values -> 8 fp8 bytes by one scale (the fused kernel's q_out and cache
+// quantization: the fast path, or encode_chunk_exact when any value or the scale is outside it).
+template <typename Fp8>
+__global__ void encode_chunk_kernel(const num::Bf16* x, int64_t chunks, float scale, uint8_t* out) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= chunks) return;
+  cuda::Chunk<num::Bf16> m;
+  for (int e = 0; e < cuda::kChunkElems; ++e) m.v[e] = x[i * cuda::kChunkElems + e];
+  const cuda::Chunk<Fp8> q = cuda::encode_chunk<Fp8>(m, cuda::make_divisor(scale));
+  for (int e = 0; e < cuda::kChunkElems; ++e) out[i * cuda::kChunkElems + e] = q.v[e].bits;
 }
 
 bool has_gpu() {
@@ -199,6 +213,56 @@ void check_fp8_conversion(const char* what) {
     }
   }
   EXPECT_EQ(bad, 0) << what << ": " << n << " values";
+}
+
+// Random bf16 chunks, some with a special value (0, -0, NaN, +-inf, a subnormal, 2^+-61, a huge
+// value) at a random place, so that both encode_chunk paths run; every byte against the host's
+// num::quantize, for scales inside and outside the fast range.
+template <typename Fp8>
+void check_encode_chunk(const char* what) {
+  const float specials[] = {0.0f,   -0.0f,   std::nanf(""), INFINITY, -INFINITY,
+                            1e-39f, 0x1p61f, -0x1p-61f,     3e38f,    0x1p-60f};
+  const int64_t chunks = 1 << 16;
+  std::mt19937 rng(11);
+  std::normal_distribution<float> normal(0.0f, 3.0f);
+  std::uniform_int_distribution<int> pick(0, 31);
+  std::vector<num::Bf16> x(static_cast<size_t>(chunks) * 8);
+  for (int64_t c = 0; c < chunks; ++c) {
+    for (int e = 0; e < 8; ++e) x[c * 8 + e] = num::from_float<num::Bf16>(normal(rng));
+    const int k = pick(rng);  // a special value in about a third of the chunks
+    if (k < 10) x[c * 8 + (pick(rng) % 8)] = num::from_float<num::Bf16>(specials[k]);
+  }
+  DeviceArray<num::Bf16> dx(x.size());
+  DeviceArray<uint8_t> dout(x.size());
+  ASSERT_TRUE(dx.ptr && dout.ptr);
+  TEST_CUDA_OK(cudaMemcpy(dx.ptr, x.data(), x.size() * sizeof(num::Bf16), cudaMemcpyHostToDevice));
+  for (const float scale : {1.0f, 0.037f, 448.0f, -2.5f, 0x1p-70f, 0x1p61f, 1e-40f}) {
+    const int threads = 256;
+    encode_chunk_kernel<Fp8><<<static_cast<unsigned>((chunks + threads - 1) / threads), threads>>>(
+        dx.ptr, chunks, scale, dout.ptr);
+    TEST_CUDA_OK(cudaGetLastError());
+    std::vector<uint8_t> out(x.size());
+    TEST_CUDA_OK(cudaMemcpy(out.data(), dout.ptr, out.size(), cudaMemcpyDeviceToHost));
+    int64_t bad = 0;
+    for (size_t i = 0; i < x.size(); ++i) {
+      const uint8_t expect = num::quantize<Fp8>(num::to_float(x[i]), scale).bits;
+      if (out[i] != expect && ++bad <= 5) {
+        ADD_FAILURE() << what << ": " << num::to_float(x[i]) << " / " << scale << " -> device 0x"
+                      << std::hex << int{out[i]} << ", host 0x" << int{expect} << std::dec;
+      }
+    }
+    EXPECT_EQ(bad, 0) << what << ", scale " << scale << ": " << x.size() << " values";
+  }
+}
+
+TEST(CudaNumerics, EncodeChunkE4M3MatchesHost) {
+  if (!has_gpu()) GTEST_SKIP() << "no CUDA device visible";
+  check_encode_chunk<num::Fp8E4M3>("encode_chunk e4m3");
+}
+
+TEST(CudaNumerics, EncodeChunkE5M2MatchesHost) {
+  if (!has_gpu()) GTEST_SKIP() << "no CUDA device visible";
+  check_encode_chunk<num::Fp8E5M2>("encode_chunk e5m2");
 }
 
 TEST(CudaNumerics, Fp8E4M3ConversionMatchesHost) {

@@ -196,7 +196,9 @@ inline float scale_or_one(const float* scale) { return scale != nullptr ? *scale
 #define MLAKV_CPU_VEC_BYTES 16
 #endif
 constexpr int64_t kVecBytes = MLAKV_CPU_VEC_BYTES;
-using VecBytes = char __attribute__((vector_size(MLAKV_CPU_VEC_BYTES), aligned(1), may_alias));
+// A typedef, not a `using` alias: Clang drops aligned(1) from an alias and then emits aligned
+// moves.
+typedef char VecBytes __attribute__((vector_size(MLAKV_CPU_VEC_BYTES), aligned(1), may_alias));
 
 // Whether the byte ranges [a, a + bytes) and [b, b + bytes) overlap.
 inline bool ranges_overlap(const void* a, const void* b, int64_t bytes) {
@@ -225,9 +227,11 @@ inline void copy_bytes(const void* src, void* dst, int64_t bytes) {
 
 // dst[0, bytes) = src[0, bytes) with non-temporal (streaming) stores where the target has them: a
 // regular store first reads the line it writes (read-for-ownership), a streaming store of a whole
-// vector does not, and it does not evict the inputs. The lines at the ends of an unaligned dst are
-// copied with regular stores. Streamed data is ordered by stream_fence() only: call it before the
-// data is read by another thread (before the end of a parallel region).
+// vector does not, and it does not evict the inputs. The bytes before dst's first vector-aligned
+// address and after its last whole vector are copied with regular stores (with 32-byte vectors a
+// cache line can thus be part streamed, part regular: slower, not wrong). Streamed data is ordered
+// by stream_fence() only: call it before the data is read by another thread (before the end of a
+// parallel region).
 inline void stream_bytes(const void* src, void* dst, int64_t bytes) {
 #if defined(__SSE2__)
   const char* s = static_cast<const char*>(src);

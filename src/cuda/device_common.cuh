@@ -112,7 +112,11 @@ __device__ __forceinline__ void fp8x2_from_float(float a, float b, Fp8& ra, Fp8&
 // the same three operations on the same y, so the quotient has the same bits; the range check is
 // a stricter one of our own (|a| and |b| in [2^-60, 2^60]: no quotient, remainder or product near
 // the subnormal or overflow range), and everything outside it (zeros, subnormals, inf, NaN, huge
-// values) takes __fdiv_rn itself. tests/test_cuda_numerics.cu compares the two exhaustively.
+// values) takes __fdiv_rn itself. Why that range suffices: inside it y, q0 and every nonzero
+// remainder are normal floats, so the sequence commutes with scaling a and b by powers of two
+// (MUFU.RCP too, for normal inputs), which reduces every case to operands near 1, where the
+// compiler's division certainly takes this path and is IEEE-exact. tests/test_cuda_numerics.cu
+// compares the two on every bf16 and fp16 dividend for ~100 divisors and on 4M random pairs.
 struct Divisor {
   float b = 1.0f;
   float y = 1.0f;     // refined reciprocal of b
