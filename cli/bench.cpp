@@ -31,6 +31,7 @@ constexpr int64_t kBlockSize = 64;
 constexpr DType kModel = DType::kBFloat16;
 constexpr int64_t kModelBytes = 2;
 constexpr int64_t kIndexBytes = 8;  // int64 positions and slots
+constexpr float kNormEps = 1e-6f;   // kv_a_layernorm's eps (DeepSeek-V3 rms_norm_eps)
 // The DeepSeek-V3 YaRN table has 4096 * 40 positions; decode positions are spread over all of it.
 constexpr int64_t kMaxPos = 163840;
 constexpr float kFp8CacheScale = 0.0234375f;
@@ -48,6 +49,7 @@ struct Workload {
   CacheFormat cache_format;
   DType q_out_dtype;
   bool nope_in_q_out;  // the absorb GEMM already wrote ql_nope into q_out
+  bool kv_norm;        // kv_a_layernorm inside the fused op (unfused: an rms_norm launch first)
   std::vector<int64_t> cuda_tokens;
   std::vector<int64_t> cpu_tokens;  // capped so that the whole CPU bench stays under 2 minutes
 };
@@ -60,13 +62,24 @@ const std::vector<Workload>& all_workloads() {
        CacheFormat::kBFloat16,
        DType::kBFloat16,
        false,
+       false,
        {1, 8, 32, 128, 512, 2048, 8192},
        {1, 8, 32, 128, 512, 2048}},
+      {"decode_bf16_norm",
+       "decode, bf16, kv_a_layernorm in the op",
+       Kind::kDecode,
+       CacheFormat::kBFloat16,
+       DType::kBFloat16,
+       false,
+       true,
+       {1, 8, 32, 128, 512, 2048},
+       {1, 32, 128, 512}},
       {"decode_fp8",
        "decode, fp8 e4m3 cache, fp8 e4m3 q_out",
        Kind::kDecode,
        CacheFormat::kFloat8E4M3,
        DType::kFloat8E4M3,
+       false,
        false,
        {1, 8, 32, 128, 512, 2048, 8192},
        {1, 8, 32, 128, 512, 2048}},
@@ -76,6 +89,7 @@ const std::vector<Workload>& all_workloads() {
        CacheFormat::kBFloat16,
        DType::kBFloat16,
        true,
+       false,
        {1, 8, 32, 128, 512, 2048, 8192},
        {1, 8, 32, 128, 512, 2048}},
       {"prefill_bf16",
@@ -84,6 +98,7 @@ const std::vector<Workload>& all_workloads() {
        CacheFormat::kBFloat16,
        DType::kBFloat16,
        false,
+       false,
        {128, 1024, 4096, 8192, 16384},
        {128, 1024, 4096}},
       {"mixed_bf16",
@@ -91,6 +106,7 @@ const std::vector<Workload>& all_workloads() {
        Kind::kMixed,
        CacheFormat::kBFloat16,
        DType::kBFloat16,
+       false,
        false,
        {128, 1024, 4096, 16384},
        {128, 1024, 4096}},
@@ -124,6 +140,8 @@ int64_t fused_bytes(const Workload& w, int64_t T) {
   if (!w.nope_in_q_out) bytes += Td * kH * kL * (kModelBytes + q_out_bytes);
   // Prefill Q side: the rope part of q read and written.
   bytes += (T - Td) * kH * kR * kModelBytes * 2;
+  // The RMSNorm weight, read once.
+  if (w.kv_norm) bytes += kL * kModelBytes;
   return bytes;
 }
 
@@ -190,6 +208,14 @@ class Row {
     cache_ = Buffer(
         device_, static_cast<size_t>(cache_bytes(w.cache_format, num_blocks_, kBlockSize, kL, kR)));
     cache_.fill_byte(0);
+    if (w.kv_norm) {
+      // The RMSNorm weight (shared by every set) and the unfused path's normalized kv_c.
+      Rng weight_rng(0x4e0f0000u + static_cast<uint64_t>(T));
+      norm_weight_host_ = random_values(kModel, kL, 2.0f, weight_rng);
+      norm_weight_ = Buffer(device_, norm_weight_host_.size());
+      norm_weight_.upload(norm_weight_host_);
+      kv_c_normed_ = Buffer(device_, static_cast<size_t>(T * kL * kModelBytes));
+    }
     Rng slot_rng(0x5eed0000u + 7919u * static_cast<uint64_t>(workload_index) +
                  static_cast<uint64_t>(T));
     const std::vector<int64_t> all_slots =
@@ -231,9 +257,18 @@ class Row {
     rope.cos_sin_cache = table_view();
     rope.rope_style = RopeStyle::kGptJ;
 
+    // With kv_a_layernorm: rms_norm of kv_c into a scratch tensor, which concat then reads.
+    RmsNormParams norm;
+    if (w_.kv_norm) {
+      norm.num_tokens = T_;
+      norm.input = make_view(in.kv_c.data(), kModel, {T_, kL}, device_);
+      norm.weight = make_view(norm_weight_.data(), kModel, {kL}, device_);
+      norm.eps = kNormEps;
+      norm.output = make_view(kv_c_normed_.data(), kModel, {T_, kL}, device_);
+    }
     ConcatAndCacheMlaParams concat;
     concat.num_tokens = T_;
-    concat.kv_c = make_view(in.kv_c.data(), kModel, {T_, kL}, device_);
+    concat.kv_c = w_.kv_norm ? norm.output : make_view(in.kv_c.data(), kModel, {T_, kL}, device_);
     concat.k_pe = make_view(in.k_pe.data(), kModel, {T_, kR}, device_);
     concat.slot_mapping = make_view(in.slots.data(), DType::kInt64, {T_}, device_);
     concat.kv_cache = cache_view();
@@ -255,10 +290,12 @@ class Row {
                                  static_cast<size_t>(Td_ * kH));
     }
     int32_t* counts = error_counts_.as<int32_t>();
-    return [rope, concat, q_concat, q_params, q_copy, counts](void* stream) {
+    const bool kv_norm = w_.kv_norm;
+    return [rope, norm, kv_norm, concat, q_concat, q_params, q_copy, counts](void* stream) {
       Context ctx;
       ctx.stream = stream;
       ctx.error_counts = counts;
+      if (kv_norm) rms_norm(norm, ctx);
       rotary_embedding(rope, ctx);
       concat_and_cache_mla(concat, ctx);
       if (q_concat) decode_q_concat(q_params, ctx);
@@ -321,6 +358,7 @@ class Row {
     rebase(p.slot_mapping, in.host.slots.data());
     rebase(p.cos_sin_cache, const_cast<uint8_t*>(table_host.data()));
     rebase(p.kv_c, in.host.kv_c.data());
+    rebase(p.kv_norm_weight, norm_weight_host_.data());
     rebase(p.k_pe, k_pe_ref.data());
     rebase(p.ql_nope, in.host.ql_nope.data());
     rebase(p.q_out, q_out_ref.data());
@@ -427,6 +465,10 @@ class Row {
     p.kv_c = make_view(in.kv_c.data(), kModel, {T_, kL}, device_);
     p.k_pe = make_view(in.k_pe.data(), kModel, {T_, kR}, device_);
     p.kv_cache = cache_view();
+    if (w_.kv_norm) {
+      p.kv_norm_weight = make_view(norm_weight_.data(), kModel, {kL}, device_);
+      p.kv_norm_eps = kNormEps;
+    }
     if (Td_ > 0) {
       p.q_pe = decode_q_pe_view(in);
       if (!w_.nope_in_q_out) {
@@ -452,6 +494,9 @@ class Row {
   int num_sets_ = 1;
   int64_t num_blocks_ = 0;
   Buffer cache_;
+  Buffer norm_weight_;                     // kv_norm: [L]
+  std::vector<uint8_t> norm_weight_host_;  // kv_norm: the same, for the reference
+  Buffer kv_c_normed_;                     // kv_norm: the unfused path's rms_norm output [T, L]
   std::vector<InputSet> sets_;
 };
 

@@ -41,7 +41,8 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   bench
       ->add_option("--workload", bench_options.workloads,
-                   "Workloads (comma separated): decode_bf16, decode_fp8, decode_nope_in_q_out, "
+                   "Workloads (comma separated): decode_bf16, decode_bf16_norm, decode_fp8, "
+                   "decode_nope_in_q_out, "
                    "prefill_bf16, mixed_bf16; default all")
       ->delimiter(',');
   bench->add_option("--tokens", bench_options.tokens, "Token counts T (comma separated)")
