@@ -16,6 +16,16 @@ ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 TORCH_VERSION=2.11.0
 cd "$ROOT"
 
+# The PyPI torch wheel is a CUDA build: its CMake config (find_package(Torch) in torch/) stops
+# when it finds no CUDA toolkit, even for a CPU-only extension. Without nvcc the suite cannot be
+# built here: say so and skip it (before downloading torch).
+if [[ "${MLAKV_PY_SYSTEM:-0}" != 1 ]] && ! command -v nvcc >/dev/null 2>&1 &&
+  [[ ! -x /usr/local/cuda/bin/nvcc ]]; then
+  echo "== Python suite SKIPPED: no CUDA toolkit (nvcc) on this machine, and the PyPI torch wheel's"
+  echo "   CMake config needs one to build the extension (install the CUDA toolkit to run it)"
+  exit 0
+fi
+
 if [[ "${MLAKV_PY_SYSTEM:-0}" == 1 ]]; then
   PY=$(command -v python3)
 else

@@ -234,15 +234,8 @@ MLAKV_HD void rope_rotate(float x, float y, float c, float s, float& x_out, floa
   y_out = fma_rn(y, c, mul_rn(x, s));
 }
 
-// Index of the pair partner and the cos/sin column for element pair p (p < R/2).
-//   GPT-J: elements (2p, 2p+1); NeoX: elements (p, p + R/2). cos/sin column p in both.
-MLAKV_HD int64_t rope_first(bool neox, int64_t p, int64_t R) {
-  (void)R;
-  return neox ? p : 2 * p;
-}
-MLAKV_HD int64_t rope_second(bool neox, int64_t p, int64_t R) {
-  return neox ? p + R / 2 : 2 * p + 1;
-}
+// Pair p (p < R/2) is elements (2p, 2p+1) in GPT-J style and (p, p + R/2) in NeoX style; it
+// rotates by cos/sin column p in both.
 
 // ---- RMSNorm -------------------------------------------------------------------------------
 // inv_rms from the fp32 sum of squares over N values: 1 / sqrt(sum / N + eps), IEEE ops.
@@ -260,11 +253,11 @@ MLAKV_HD Fp8 quantize(float x, float scale) {
   return from_float<Fp8>(div_rn(x, scale));
 }
 
-// fp8_ds_mla tile scale from the tile's amax: max(amax / 448, FLT_MIN), optionally rounded up to a
-// power of two.
-MLAKV_HD float ds_mla_tile_scale(float amax, bool pow2) {
+// The e4m3 scale of a group of values from its amax: max(amax / 448, floor), optionally rounded up
+// to a power of two. A NaN quotient falls back to the floor (amax_update never yields NaN).
+MLAKV_HD float group_scale(float amax, float scale_floor, bool pow2) {
   float scale = div_rn(amax, kE4M3Max);
-  if (!(scale >= FLT_MIN)) scale = FLT_MIN;  // also maps a NaN amax to FLT_MIN
+  if (!(scale >= scale_floor)) scale = scale_floor;
   if (pow2) {
     uint32_t u = float_bits(scale);
     if ((u & 0x007fffffu) != 0u && (u & 0x7f800000u) != 0x7f800000u) {
@@ -274,6 +267,9 @@ MLAKV_HD float ds_mla_tile_scale(float amax, bool pow2) {
   }
   return scale;
 }
+
+// fp8_ds_mla tile scale: the group scale with the floor FLT_MIN.
+MLAKV_HD float ds_mla_tile_scale(float amax, bool pow2) { return group_scale(amax, FLT_MIN, pow2); }
 
 // Running amax that ignores NaN and is independent of the order of updates.
 MLAKV_HD float amax_update(float amax, float v) {

@@ -1,6 +1,6 @@
 // mlakv internal: the resolved arguments of rmsnorm_quant, mla_rmsnorm_quant and
-// per_token_group_quant_fp8, the backend entry points, and the group-scale rule both backends
-// share.
+// per_token_group_quant_fp8 and the backend entry points (the group-scale rule both backends share
+// is num::group_scale, src/common/numerics.h).
 //
 // All three public ops become one RmsNormQuantArgs of one or two row jobs ("tasks"): the dual form
 // is two tasks in one launch. src/core/rmsnorm_quant.cpp validates and fills it; backends never
@@ -8,10 +8,8 @@
 // for the scales, whose two strides are both given.
 #pragma once
 
-#include <cfloat>
 #include <cstdint>
 
-#include "common/numerics.h"
 #include "mlakv/context.h"
 #include "mlakv/tensor.h"
 
@@ -47,21 +45,6 @@ struct RmsNormQuantArgs {
   int32_t num_tasks = 0;  // 1, or 2 for the dual form (task 0: q_c, task 1: kv_c)
   RmsNormQuantTask tasks[2];
 };
-
-// The scale of one group: max(amax / 448, floor), optionally rounded up to a power of two. amax is
-// never NaN (num::amax_update skips NaN); a NaN quotient would still fall back to the floor.
-MLAKV_HD float group_scale(float amax, float scale_floor, bool pow2) {
-  float scale = num::div_rn(amax, num::kE4M3Max);
-  if (!(scale >= scale_floor)) scale = scale_floor;
-  if (pow2) {
-    uint32_t u = num::float_bits(scale);
-    if ((u & 0x007fffffu) != 0u && (u & 0x7f800000u) != 0x7f800000u) {
-      u = (u & 0x7f800000u) + 0x00800000u;  // next power of two; an inf stays inf
-    }
-    scale = num::bits_float(u);
-  }
-  return scale;
-}
 
 }  // namespace core
 

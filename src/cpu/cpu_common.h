@@ -494,6 +494,19 @@ inline void write_entry(const core::CacheArg& cache, const EntryPtrs& entry, con
   }
 }
 
+// The entry of `slot` from model-dtype rows: nothing for a padding slot (< 0), a kBadSlot count
+// for one past the cache; the K side of the fused op and concat_and_cache_mla both write this way.
+template <typename Fmt, typename T>
+inline void write_slot(const core::CacheArg& cache, int64_t slot, const T* latent, const T* rope,
+                       int64_t L, int64_t R, ErrorTally& tally) {
+  if (slot < 0) return;
+  if (slot >= cache.num_slots) {
+    tally.add(kBadSlot);
+    return;
+  }
+  write_entry<Fmt>(cache, cache_entry(cache, slot, rope_offset_bytes<Fmt>(L)), latent, rope, L, R);
+}
+
 }  // namespace detail
 }  // namespace cpu
 }  // namespace mlakv

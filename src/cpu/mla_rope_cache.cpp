@@ -39,10 +39,15 @@ constexpr int64_t entry_bytes(int64_t L, int64_t R) {
   return detail::rope_offset_bytes<Fmt>(L) + R * static_cast<int64_t>(sizeof(typename Fmt::Rope));
 }
 
-// The cos/sin row and the cache entry of token t (for k_side_token(t - 1)).
-void prefetch_k_side(const MlaRopeCacheArgs& a, int64_t t, int64_t rope_offset, int64_t bytes) {
+// The cos/sin row of token t, asked for by the item of token t - 1.
+void prefetch_next_cos_sin(const MlaRopeCacheArgs& a, int64_t t) {
   detail::prefetch_cos_sin(a.rope, detail::clamped_position(a.positions, a.rope, t, nullptr),
                            a.rope_dim);
+}
+
+// The cos/sin row and the cache entry of token t (for k_side_token(t - 1)).
+void prefetch_k_side(const MlaRopeCacheArgs& a, int64_t t, int64_t rope_offset, int64_t bytes) {
+  prefetch_next_cos_sin(a, t);
   const int64_t slot = detail::read_index(a.slot_mapping, t);
   if (slot < 0 || slot >= a.cache.num_slots) return;
   const detail::EntryPtrs entry = detail::cache_entry(a.cache, slot, rope_offset);
@@ -78,15 +83,7 @@ void k_side_token(const MlaRopeCacheArgs& a, int64_t t, ErrorTally& tally) {
   detail::load_cos_sin(a.rope, pos, R, cs);
   detail::rope_row(k_pe, rope_buf, cs, R);
 
-  if (slot >= 0) {
-    if (slot >= a.cache.num_slots) {
-      tally.add(kBadSlot);
-    } else {
-      const detail::EntryPtrs entry =
-          detail::cache_entry(a.cache, slot, detail::rope_offset_bytes<Fmt>(L));
-      detail::write_entry<Fmt>(a.cache, entry, latent, rope_buf, L, R);
-    }
-  }
+  detail::write_slot<Fmt>(a.cache, slot, latent, rope_buf, L, R, tally);
   if (a.kv_c_out != nullptr) {
     detail::convert_row(latent, static_cast<T*>(a.kv_c_out) + t * a.stride_kv_c_out_token, L);
   }
@@ -94,12 +91,6 @@ void k_side_token(const MlaRopeCacheArgs& a, int64_t t, ErrorTally& tally) {
     std::memcpy(static_cast<T*>(a.k_pe_out) + t * a.stride_k_pe_out_token, rope_buf,
                 static_cast<size_t>(R) * sizeof(T));
   }
-}
-
-// The cos/sin row of token t, asked for by the first Q item of token t - 1.
-void prefetch_next_cos_sin(const MlaRopeCacheArgs& a, int64_t t) {
-  detail::prefetch_cos_sin(a.rope, detail::clamped_position(a.positions, a.rope, t, nullptr),
-                           a.rope_dim);
 }
 
 // q_out[t, h] for h in [h0, h1): nope part converted / quantized, rope part rotated. kStream (q_out

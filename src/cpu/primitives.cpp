@@ -50,23 +50,16 @@ void concat_and_cache_mla_impl(const core::ConcatAndCacheMlaArgs& a, const Conte
   const int64_t R = a.rope_dim;
   const int64_t bytes = a.num_tokens * (L + R) * static_cast<int64_t>(sizeof(T)) * 2;
   const int threads = detail::threads_for(ctx, bytes, a.num_tokens);
-  const int64_t rope_offset = detail::rope_offset_bytes<Fmt>(L);
 
 #pragma omp parallel num_threads(threads) if (threads > 1)
   {
     ErrorTally tally;
 #pragma omp for schedule(static) nowait
     for (int64_t t = 0; t < a.num_tokens; ++t) {
-      const int64_t slot = detail::read_index(a.slot_mapping, t);
-      if (slot < 0) continue;
-      if (slot >= a.cache.num_slots) {
-        tally.add(kBadSlot);
-        continue;
-      }
       const T* kv_c = static_cast<const T*>(a.kv_c) + t * a.stride_kv_c_token;
       const T* k_pe = static_cast<const T*>(a.k_pe) + t * a.stride_k_pe_token;
-      detail::write_entry<Fmt>(a.cache, detail::cache_entry(a.cache, slot, rope_offset), kv_c, k_pe,
-                               L, R);
+      detail::write_slot<Fmt>(a.cache, detail::read_index(a.slot_mapping, t), kv_c, k_pe, L, R,
+                              tally);
     }
     tally.flush(a.error_counts);
   }

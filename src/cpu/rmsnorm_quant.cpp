@@ -81,7 +81,7 @@ void run_row(const RmsNormQuantTask& task, int64_t t) {
     if (q == nullptr) continue;
     float amax = 0.0f;
     for (int64_t j = 0; j < len; ++j) amax = num::amax_update(amax, y[j]);
-    const float scale = core::group_scale(amax, task.scale_floor, task.pow2_scale);
+    const float scale = num::group_scale(amax, task.scale_floor, task.pow2_scale);
     task.scales[t * task.stride_scales_token + (g0 / G) * task.stride_scales_group] = scale;
     for (int64_t j = 0; j < len; ++j) {
       q[g0 + j] = num::quantize<num::Fp8E4M3>(y[j], scale).bits;

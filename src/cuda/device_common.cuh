@@ -183,13 +183,9 @@ __device__ __forceinline__ Chunk<Dst> encode_chunk_each(const Chunk<T>& m, const
 // NaN, extreme scales): out of line, so that the common path stays short.
 template <typename Dst, typename T>
 __device__ __noinline__ Chunk<Dst> encode_chunk_exact(const Chunk<T> m, const float scale) {
-  Chunk<Dst> out;
-#pragma unroll
-  for (int e = 0; e < kChunkElems; e += 2) {
-    fp8x2_from_float(__fdiv_rn(num::to_float(m.v[e]), scale),
-                     __fdiv_rn(num::to_float(m.v[e + 1]), scale), out.v[e], out.v[e + 1]);
-  }
-  return out;
+  Divisor exact;  // fast = false: divide() is __fdiv_rn for every element
+  exact.b = scale;
+  return encode_chunk_each<Dst>(m, exact);
 }
 
 // The fp8 forms are num::quantize's cvt(x / scale). When every element and the scale are in the

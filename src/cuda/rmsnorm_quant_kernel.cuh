@@ -219,7 +219,7 @@ __global__ void __launch_bounds__(kRmsqMaxThreads)
     if (q == nullptr) continue;
     amax = group_max(amax, lanes_per_group);
     if (!active) continue;
-    const float scale = core::group_scale(amax, task.scale_floor, task.pow2_scale);
+    const float scale = num::group_scale(amax, task.scale_floor, task.pow2_scale);
     const Divisor div = make_divisor(scale);  // device_common.cuh: the bits of div_rn
     float v[kChunkElems];
 #pragma unroll
