@@ -124,13 +124,7 @@ class CudaTimer : public Timer {
       MLAKV_CLI_CUDA_CHECK(cudaEventElapsedTime(&ms, marks[i], marks[i + 1]));
       per_launch_us.push_back(1e3 * ms / launches);
     }
-    Timing t;
-    t.median_us = percentile(per_launch_us, 50.0);
-    t.p10_us = percentile(per_launch_us, 10.0);
-    t.p90_us = percentile(per_launch_us, 90.0);
-    t.samples = samples;
-    t.launches_per_sample = launches;
-    return t;
+    return summarize(per_launch_us, launches);
   }
 
   Op copy_op(void* dst, const void* src, size_t bytes) override {

@@ -23,6 +23,9 @@ struct Timing {
   int launches_per_sample = 1;
 };
 
+// Median and p10-p90 of per-launch times (us), with how many samples and launches per sample.
+Timing summarize(const std::vector<double>& per_launch_us, int launches_per_sample = 1);
+
 class Timer {
  public:
   virtual ~Timer() = default;

@@ -52,13 +52,7 @@ class CpuTimer : public Timer {
       total_us += times.back();
       if (iters_ <= 0 && times.size() >= 5 && total_us > 3 * kTargetUs) break;
     }
-    samples = static_cast<int>(times.size());
-    Timing t;
-    t.median_us = percentile(times, 50.0);
-    t.p10_us = percentile(times, 10.0);
-    t.p90_us = percentile(times, 90.0);
-    t.samples = samples;
-    return t;
+    return summarize(times);
   }
 
   // The CPU backend's fixed cost: one OpenMP fork and join over its threads.

@@ -12,6 +12,7 @@
 #include <utility>
 
 #include "common/numerics.h"
+#include "timer.h"
 
 namespace mlakv {
 namespace cli {
@@ -157,6 +158,16 @@ double percentile(std::vector<double> values, double p) {
   const size_t hi = std::min(lo + 1, values.size() - 1);
   const double frac = rank - static_cast<double>(lo);
   return values[lo] * (1.0 - frac) + values[hi] * frac;
+}
+
+Timing summarize(const std::vector<double>& per_launch_us, int launches_per_sample) {
+  Timing t;
+  t.median_us = percentile(per_launch_us, 50.0);
+  t.p10_us = percentile(per_launch_us, 10.0);
+  t.p90_us = percentile(per_launch_us, 90.0);
+  t.samples = static_cast<int>(per_launch_us.size());
+  t.launches_per_sample = launches_per_sample;
+  return t;
 }
 
 std::string format_bytes(double bytes) {

@@ -14,8 +14,8 @@ cd "$ROOT"
 
 BUILD_DIR=${BUILD_DIR:-$ROOT/build-bench}
 ensure_packages build cli
-# shellcheck disable=SC2086
-configure_and_build "$BUILD_DIR" mlakv_cli "$(cuda_flag)" -DMLAKV_TESTS=OFF ${CMAKE_ARGS:-}
+read -ra cmake_args <<<"${CMAKE_ARGS:-}"  # split on spaces, no glob expansion
+configure_and_build "$BUILD_DIR" mlakv_cli "$(cuda_flag)" -DMLAKV_TESTS=OFF "${cmake_args[@]}"
 "$BUILD_DIR/mlakv" info
 echo
 exec "$BUILD_DIR/mlakv" bench "$@"

@@ -159,6 +159,13 @@ stage_profile() {
   return $rc
 }
 
+# The summary and the bench results into $OUT.
+publish() {
+  cp "$SUMMARY" "$OUT/"
+  local f
+  for f in bench.txt bench.json; do [[ -f $LOGS/$f ]] && cp "$LOGS/$f" "$OUT/"; done
+}
+
 failed=()
 for stage in "${stages[@]}"; do
   case "$stage" in
@@ -171,13 +178,11 @@ for stage in "${stages[@]}"; do
   echo "== $stage" >>"$SUMMARY"
   "stage_$stage" >/dev/null || failed+=("$stage")
   # What has run so far reaches $OUT even if a later stage outlives the caller's time limit.
-  cp "$SUMMARY" "$OUT/"
-  for f in bench.txt bench.json; do [[ -f $LOGS/$f ]] && cp "$LOGS/$f" "$OUT/"; done
+  publish
   if [[ $stage == build && ${#failed[@]} -gt 0 ]]; then break; fi
 done
 
-cp "$SUMMARY" "$OUT/"
-for f in bench.txt bench.json; do [[ -f $LOGS/$f ]] && cp "$LOGS/$f" "$OUT/"; done
+publish
 tar -czf "$OUT/logs.tar.gz" -C "$LOGS" . 2>/dev/null
 echo
 echo "===== gpu_run summary (logs in $LOGS, copied to $OUT/logs.tar.gz) ====="

@@ -72,11 +72,6 @@ def _fused_from_env() -> bool:
     return os.environ.get("MLAKV_FUSED", "1") != "0"
 
 
-def _torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
-
-
 class DeepseekV3MLAttention(nn.Module):
     """DeepSeek-V3 MLA attention over a paged latent cache (``self.kv_cache``)."""
 
