@@ -1,6 +1,6 @@
 // mlakv CUDA backend internals (host side): the CUDA error check, the dispatch switches that turn
-// runtime values into template arguments at the launchers, and the alignment test of the 16-byte
-// access path.
+// runtime values into template arguments at the launchers, the alignment test of the 16-byte
+// access path, and a device guard.
 //
 // Device selection: the core passes only a Context, so every launcher runs on the caller's current
 // device, as PyTorch extensions do; the caller (the torch binding, an engine) makes the tensors'
@@ -41,18 +41,6 @@
                                                    ": ", cudaGetErrorString(mlakv_cuda_err_)));    \
     }                                                                                              \
   } while (0)
-
-// MLAKV_BOOL_SWITCH(cond, kName, ...): runs the lambda body with constexpr bool kName = cond.
-#define MLAKV_BOOL_SWITCH(cond, kName, ...) \
-  [&] {                                     \
-    if (cond) {                             \
-      constexpr bool kName = true;          \
-      return __VA_ARGS__();                 \
-    } else {                                \
-      constexpr bool kName = false;         \
-      return __VA_ARGS__();                 \
-    }                                       \
-  }()
 
 // MLAKV_MODEL_DTYPE_SWITCH(dtype, TypeName, ...): TypeName = float / num::Half / num::Bf16.
 #define MLAKV_MODEL_DTYPE_SWITCH(dtype, what, TypeName, ...)                            \
@@ -107,6 +95,28 @@ class VecCheck {
 
  private:
   bool ok_ = true;
+};
+
+// Selects `device` for the lifetime of the guard, then restores the previous device (host code:
+// the runtime helpers and rmsnorm_quant, which take the tensors' device index).
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device) {
+    MLAKV_CUDA_CHECK(cudaGetDevice(&previous_));
+    if (device != previous_) {
+      MLAKV_CUDA_CHECK(cudaSetDevice(device));
+      switched_ = true;
+    }
+  }
+  ~DeviceGuard() {
+    if (switched_) cudaSetDevice(previous_);  // a destructor must not throw
+  }
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  int previous_ = 0;
+  bool switched_ = false;
 };
 
 }  // namespace cuda

@@ -75,6 +75,21 @@ __device__ __forceinline__ Pair<T> rotate_pair(const Pair<T>& v, float c, float 
   return Pair<T>{num::from_float<T>(x), num::from_float<T>(y)};
 }
 
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+// Two floats to an fp8 pair by the hardware conversion (cvt.rn.satfinite: round to nearest even,
+// +-max beyond the range; a NaN byte may carry the sign). The low byte comes from `lo`.
+template <typename Fp8>
+__device__ __forceinline__ uint16_t cvt_fp8x2_satfinite(float lo, float hi) {
+  uint16_t w;
+  if constexpr (std::is_same_v<Fp8, num::Fp8E4M3>) {
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(w) : "f"(hi), "f"(lo));
+  } else {
+    asm("cvt.rn.satfinite.e5m2x2.f32 %0, %1, %2;" : "=h"(w) : "f"(hi), "f"(lo));
+  }
+  return w;
+}
+#endif
+
 // Two floats as fp8 (OCP e4m3 / e5m2) with the bits of num::from_float<Fp8>: saturating to
 // +-max (inf included), round-to-nearest-even, NaN -> 0x7f. On sm_89+ by the hardware conversion:
 // the input is first clamped to [-max, max], which the software rule maps to the same byte as the
@@ -90,12 +105,7 @@ __device__ __forceinline__ void fp8x2_from_float(float a, float b, Fp8& ra, Fp8&
   constexpr float kMax = kE4M3 ? num::kE4M3Max : num::kE5M2Max;
   const float ca = fminf(fmaxf(a, -kMax), kMax);
   const float cb = fminf(fmaxf(b, -kMax), kMax);
-  uint16_t w;  // low byte: a
-  if constexpr (kE4M3) {
-    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(w) : "f"(cb), "f"(ca));
-  } else {
-    asm("cvt.rn.satfinite.e5m2x2.f32 %0, %1, %2;" : "=h"(w) : "f"(cb), "f"(ca));
-  }
+  const uint16_t w = cvt_fp8x2_satfinite<Fp8>(ca, cb);  // low byte: a
   ra.bits = a != a ? uint8_t{0x7f} : static_cast<uint8_t>(w & 0xffu);
   rb.bits = b != b ? uint8_t{0x7f} : static_cast<uint8_t>(w >> 8);
 #else
@@ -196,11 +206,8 @@ __device__ __noinline__ Chunk<Dst> encode_chunk_exact(const Chunk<T> m, const fl
 // fp16 instances then spill under their 80-register cap; they keep encode_chunk_each.)
 template <typename Dst, typename T>
 __device__ __forceinline__ Chunk<Dst> encode_chunk(const Chunk<T>& m, const Divisor& scale) {
-  Chunk<Dst> out;
-  if constexpr (kIsFp8<Dst> && !std::is_same_v<T, num::Bf16>) {
-    out = encode_chunk_each<Dst>(m, scale);
-  } else if constexpr (kIsFp8<Dst>) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  if constexpr (kIsFp8<Dst> && std::is_same_v<T, num::Bf16>) {
     static_assert(sizeof(Chunk<Dst>) == sizeof(uint2), "fp8 chunk: 8 bytes");
     bool fast = scale.fast;
     uint32_t words[2] = {0u, 0u};  // element e in byte e % 4 of word e / 4
@@ -209,31 +216,19 @@ __device__ __forceinline__ Chunk<Dst> encode_chunk(const Chunk<T>& m, const Divi
       const float a0 = num::to_float(m.v[e]);
       const float a1 = num::to_float(m.v[e + 1]);
       fast = fast & div_fast_range(a0) & div_fast_range(a1);
-      const float q0 = divide_fast(a0, scale);
-      const float q1 = divide_fast(a1, scale);
-      uint16_t w;  // low byte: element e
-      if constexpr (std::is_same_v<Dst, num::Fp8E4M3>) {
-        asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(w) : "f"(q1), "f"(q0));
-      } else {
-        asm("cvt.rn.satfinite.e5m2x2.f32 %0, %1, %2;" : "=h"(w) : "f"(q1), "f"(q0));
-      }
+      const uint16_t w = cvt_fp8x2_satfinite<Dst>(divide_fast(a0, scale), divide_fast(a1, scale));
       words[e / 4] |= static_cast<uint32_t>(w) << (8 * (e % 4));
     }
-    if (fast) {
-      detail::ChunkBits<Dst> u;
-      u.w[0] = make_uint2(words[0], words[1]);
-      out = u.c;
-    } else {
-      out = encode_chunk_exact<Dst>(m, scale.b);
-    }
-#else
-    out = encode_chunk_each<Dst>(m, scale);
-#endif
+    if (!fast) return encode_chunk_exact<Dst>(m, scale.b);
+    detail::ChunkBits<Dst> u;
+    u.w[0] = make_uint2(words[0], words[1]);
+    return u.c;
   } else {
-#pragma unroll
-    for (int e = 0; e < kChunkElems; ++e) out.v[e] = encode<Dst>(m.v[e], scale);
+    return encode_chunk_each<Dst>(m, scale);
   }
-  return out;
+#else
+  return encode_chunk_each<Dst>(m, scale);
+#endif
 }
 
 template <typename Dst, typename T>

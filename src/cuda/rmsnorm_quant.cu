@@ -13,30 +13,6 @@
 
 namespace mlakv {
 namespace cuda {
-namespace {
-
-// Makes `device` current for the launch (the tensors' device), then restores the caller's.
-class RmsqDeviceGuard {
- public:
-  explicit RmsqDeviceGuard(int device) {
-    MLAKV_CUDA_CHECK(cudaGetDevice(&previous_));
-    if (previous_ != device) {
-      MLAKV_CUDA_CHECK(cudaSetDevice(device));
-      switched_ = true;
-    }
-  }
-  ~RmsqDeviceGuard() {
-    if (switched_) cudaSetDevice(previous_);  // a destructor must not throw
-  }
-  RmsqDeviceGuard(const RmsqDeviceGuard&) = delete;
-  RmsqDeviceGuard& operator=(const RmsqDeviceGuard&) = delete;
-
- private:
-  int previous_ = 0;
-  bool switched_ = false;
-};
-
-}  // namespace
 
 void rmsnorm_quant(const core::RmsNormQuantArgs& args, const Context& ctx, int device_index) {
   RmsNormQuantKernelParams params;
@@ -69,7 +45,7 @@ void rmsnorm_quant(const core::RmsNormQuantArgs& args, const Context& ctx, int d
               "cuda::rmsnorm_quant: num_tokens: expected at most 2^31 - 1 rows in all, got ",
               num_blocks);
 
-  RmsqDeviceGuard guard(device_index);
+  DeviceGuard guard(device_index);
   const auto stream = static_cast<cudaStream_t>(ctx.stream);
   MLAKV_MODEL_DTYPE_SWITCH(args.model_dtype, "cuda::rmsnorm_quant: model_dtype", T, [&] {
     launch_rmsnorm_quant_kernel<T>(params, num_blocks, static_cast<int>(threads), smem_bytes,

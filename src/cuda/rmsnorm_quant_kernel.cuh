@@ -80,9 +80,8 @@ __device__ __forceinline__ void round2(float a, float b, T& ra, T& rb) {
 // Four values to e4m3 bytes (byte e = value e), saturating, round-to-nearest-even.
 __device__ __forceinline__ uint32_t e4m3x4(float v0, float v1, float v2, float v3) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
-  uint16_t lo, hi;
-  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(lo) : "f"(v1), "f"(v0));
-  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(hi) : "f"(v3), "f"(v2));
+  const uint16_t lo = cvt_fp8x2_satfinite<num::Fp8E4M3>(v0, v1);
+  const uint16_t hi = cvt_fp8x2_satfinite<num::Fp8E4M3>(v2, v3);
   uint32_t w = static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
   // A NaN byte may carry the input's sign; num::float_to_e4m3 gives 0x7f for every NaN.
   const uint32_t nan_bytes = __vcmpeq4(w | 0x80808080u, 0xffffffffu);

@@ -13,30 +13,6 @@
 
 namespace mlakv {
 namespace cuda {
-namespace {
-
-// Selects `device` for the lifetime of the guard, then restores the previous device.
-class DeviceGuard {
- public:
-  explicit DeviceGuard(int device) {
-    MLAKV_CUDA_CHECK(cudaGetDevice(&previous_));
-    if (device != previous_) {
-      MLAKV_CUDA_CHECK(cudaSetDevice(device));
-      switched_ = true;
-    }
-  }
-  ~DeviceGuard() {
-    if (switched_) cudaSetDevice(previous_);  // a destructor must not throw
-  }
-  DeviceGuard(const DeviceGuard&) = delete;
-  DeviceGuard& operator=(const DeviceGuard&) = delete;
-
- private:
-  int previous_ = 0;
-  bool switched_ = false;
-};
-
-}  // namespace
 
 void reset_error_counts(int32_t* error_counts, int device_index, void* stream) {
   DeviceGuard guard(device_index);
