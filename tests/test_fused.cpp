@@ -226,6 +226,44 @@ std::vector<FusedSpec> q_side_specs() {
   return out;
 }
 
+// Shapes that reach every branch of the CUDA kernel's work split (mla_rope_cache.h CopyList): rows
+// of fewer than 32 chunks and of chunk counts that do not divide 32 (a lane's chunks then wrap
+// across rows and, with H = 3, across tokens), rope items with fewer heads than a slot holds, rows
+// longer than one item (P = 4400: 550 chunks, several segments per row), each through the vector
+// path and through the element-wise one (rows padded by 3 elements), with a host and a device Td.
+std::vector<FusedSpec> work_split_specs() {
+  std::vector<FusedSpec> out;
+  uint64_t seed = 500;
+  constexpr ModelShape kOdd{"odd", 3, 208, 16, 40};
+  constexpr ModelShape kWide{"wide", 2, 1024, 64, 4400};
+  for (const ModelShape& shape : {kOdd, kWide}) {
+    for (DType model : {DType::kBFloat16, DType::kFloat32}) {
+      for (int64_t pad : {0, 3}) {
+        for (bool device_td : {false, true}) {
+          FusedSpec s = base(shape, kFormats[0], shape.H > 2 ? 33 : 7, shape.H > 2 ? 13 : 3);
+          s.model = model;
+          s.row_pad = pad;
+          s.prefill_out = true;
+          s.device_td = device_td;
+          s.device_td_value = static_cast<int32_t>(s.Td);
+          s.name += std::string("_") + dtype_name(model) + "_pad" + std::to_string(pad) +
+                    (device_td ? "_devtd" : "");
+          s.seed = seed++;
+          out.push_back(s);
+        }
+      }
+    }
+    FusedSpec s = base(shape, kFormats[3], shape.H > 2 ? 33 : 7, shape.H > 2 ? 13 : 3);
+    s.q_out_dtype = DType::kFloat8E4M3;
+    s.q_scale = 0.05f;
+    s.prefill_out = true;
+    s.name += "_qout_e4m3";
+    s.seed = seed++;
+    out.push_back(s);
+  }
+  return out;
+}
+
 using Param = std::tuple<Backend, FusedSpec>;
 
 class FusedOp : public testing::TestWithParam<Param> {};
@@ -249,6 +287,10 @@ INSTANTIATE_TEST_SUITE_P(BlockSizes, FusedOp,
 INSTANTIATE_TEST_SUITE_P(DtypesStyles, FusedOp,
                          testing::Combine(testing::ValuesIn(all_backends()),
                                           testing::ValuesIn(dtype_style_specs())),
+                         param_name);
+INSTANTIATE_TEST_SUITE_P(WorkSplit, FusedOp,
+                         testing::Combine(testing::ValuesIn(all_backends()),
+                                          testing::ValuesIn(work_split_specs())),
                          param_name);
 INSTANTIATE_TEST_SUITE_P(QSide, FusedOp,
                          testing::Combine(testing::ValuesIn(all_backends()),

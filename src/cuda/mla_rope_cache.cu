@@ -1,6 +1,8 @@
 // mlakv CUDA backend: launchers of the fused MLA RoPE + KV-cache op and of the two unfused
 // primitives that run through the same kernel (concat_and_cache_mla, decode_q_concat).
 #include <algorithm>
+#include <cstdlib>
+#include <string>
 #include <type_traits>
 
 #include "core/backend.h"
@@ -11,15 +13,24 @@ namespace mlakv {
 namespace cuda {
 namespace {
 
-constexpr int kRopeSlotsHost = 8;       // mla_rope_cache_kernel.cuh kRopeSlots
-constexpr int kCopySlotsHost = 4;       // mla_rope_cache_kernel.cuh kCopySlots
-constexpr int kRopeChunkSlotsHost = 4;  // mla_rope_cache_kernel.cuh kRopeChunkSlots
+constexpr int kRopeSlotsHost = 8;  // mla_rope_cache_kernel.cuh kRopeSlots
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+// Chunks a lane stages in the kernel's kStageBytes per warp (chunks of 8 model-dtype elements).
+int64_t stage_slots(int64_t elem_bytes) { return kStageBytes / (32 * 8 * elem_bytes); }
+
+// Tuning hook of the development runs: MLAKV_TUNE_<name> overrides `value` (deleted before landing).
+int64_t tune(const char* name, int64_t value) {
+  const std::string var = std::string("MLAKV_TUNE_") + name;
+  const char* env = std::getenv(var.c_str());
+  return env != nullptr ? std::atoll(env) : value;
+}
+
 CopyList make_copy_list(const void* src, int64_t stride_src_token, int64_t stride_src_head,
                         void* dst, int64_t stride_dst_token, int64_t stride_dst_head,
-                        int64_t token_begin, int64_t token_end, int64_t H, int64_t row_elems) {
+                        int64_t token_begin, int64_t token_end, int64_t H, int64_t row_elems,
+                        int64_t elem_bytes) {
   CopyList c;
   if (token_end <= token_begin || row_elems <= 0 || H <= 0) return c;
   c.src = src;
@@ -31,11 +42,24 @@ CopyList make_copy_list(const void* src, int64_t stride_src_token, int64_t strid
   c.row_begin = token_begin * H;
   c.row_end = token_end * H;
   c.row_elems = row_elems;
-  c.chunks_per_row = ceil_div(row_elems, 8);
-  const int64_t spr = ceil_div(c.chunks_per_row, 32);
-  c.slots_per_row = static_cast<int32_t>(std::min<int64_t>(spr, 1 << 30));
-  c.rows_per_item = spr <= kCopySlotsHost ? static_cast<int32_t>(kCopySlotsHost / spr) : 1;
-  c.num_items = ceil_div(c.row_end - c.row_begin, c.rows_per_item);
+  const int64_t cpr = ceil_div(row_elems, 8);
+  MLAKV_CHECK(cpr < (int64_t{1} << 30), "mla_rope_cache: rows of ", row_elems,
+              " elements are too long for one launch");
+  c.chunks_per_row = static_cast<int32_t>(cpr);
+  const int64_t slots = std::clamp<int64_t>(tune("COPY_SLOTS", stage_slots(elem_bytes)), 1,
+                                            stage_slots(elem_bytes));
+  const int64_t capacity = 32 * slots;  // chunks an item stages
+  if (cpr <= capacity) {
+    c.rows_per_item = static_cast<int32_t>(capacity / cpr);
+    c.slots = static_cast<int32_t>(ceil_div(c.rows_per_item * cpr, 32));
+    c.num_items = ceil_div(c.row_end - c.row_begin, c.rows_per_item);
+  } else {
+    c.segments_per_row = static_cast<int32_t>(ceil_div(cpr, capacity));
+    c.slots = static_cast<int32_t>(slots);
+    c.num_items = (c.row_end - c.row_begin) * c.segments_per_row;
+  }
+  c.row_step = static_cast<int32_t>(32 / cpr);
+  c.chunk_step = static_cast<int32_t>(32 % cpr);
   return c;
 }
 
@@ -49,6 +73,7 @@ MlaRopeCacheKernelParams make_params(const core::MlaRopeCacheArgs& a, bool apply
   p.error_counts = error_counts;
   const int64_t T = a.num_tokens;
   const int64_t H = a.num_heads;
+  const int64_t elem_bytes = static_cast<int64_t>(dtype_size(a.model_dtype));
   const bool device_td = a.num_decode_tokens_device != nullptr;
   const int64_t td = std::min<int64_t>(std::max<int64_t>(a.num_decode_tokens, 0), T);
   const int64_t decode_end = device_td ? T : td;
@@ -69,10 +94,12 @@ MlaRopeCacheKernelParams make_params(const core::MlaRopeCacheArgs& a, bool apply
   p.rope_chunked = vec && (!apply_rope || a.rope.style == RopeStyle::kGptJ) &&
                    a.rope_dim % 8 == 0 && cph > 0 && 32 % cph == 0;
   if (p.rope_chunked) {
-    // Whole slots of 32 / cph heads, no more slots than the heads need (H = 8: 2 of 4).
+    // Whole slots of 32 / cph heads, no more slots than the heads need (H = 8: 2 of 16).
     const int64_t hps = 32 / cph;
-    const int64_t slots =
-        std::min<int64_t>(kRopeChunkSlotsHost, std::max<int64_t>(1, ceil_div(H, hps)));
+    const int64_t most = stage_slots(elem_bytes);
+    const int64_t slots = std::clamp<int64_t>(
+        std::min(tune("ROPE_SLOTS", most), ceil_div(H, hps)), 1, most);
+    p.rope_chunk_slots = static_cast<int32_t>(slots);
     p.rope_heads_per_item = static_cast<int32_t>(hps * slots);
   }
   p.rope_groups_per_token = H > 0 ? ceil_div(H, p.rope_heads_per_item) : 1;
@@ -85,12 +112,13 @@ MlaRopeCacheKernelParams make_params(const core::MlaRopeCacheArgs& a, bool apply
   if (has_decode && a.copy_nope && a.ql_nope != nullptr) {
     p.decode_copy =
         make_copy_list(a.ql_nope, a.stride_ql_nope_token, a.stride_ql_nope_head, a.q_out,
-                       a.stride_q_out_token, a.stride_q_out_head, 0, decode_end, H, a.kv_lora_rank);
+                       a.stride_q_out_token, a.stride_q_out_head, 0, decode_end, H, a.kv_lora_rank,
+                       elem_bytes);
   }
   if (has_prefill && a.q_prefill_out != nullptr) {
     p.prefill_copy = make_copy_list(a.q, a.stride_q_token, a.stride_q_head, a.q_prefill_out,
                                     a.stride_q_prefill_out_token, a.stride_q_prefill_out_head,
-                                    prefill_begin, T, H, a.nope_dim);
+                                    prefill_begin, T, H, a.nope_dim, elem_bytes);
   }
   p.num_items =
       p.num_k_items + p.num_rope_items + p.decode_copy.num_items + p.prefill_copy.num_items;

@@ -13,18 +13,30 @@
 namespace mlakv {
 namespace cuda {
 
+// Shared memory each warp of the fused kernel stages its item's inputs in (cp.async): the K item's
+// RMSNorm row and weight (L <= 1024 floats + L model-dtype values), or up to kStageBytes of the rows
+// a rope or copy item moves, in flight at once without holding registers.
+constexpr int kStageBytes = 8192;
+
 // One streaming-copy work list of the fused kernel: the nope part of rows (t, h), flat row index
-// t * H + h in [row_begin, row_end).
+// t * H + h in [row_begin, row_end). Item i moves up to 32 * slots chunks (8 elements each) of
+// whole rows (segments_per_row == 1: rows_per_item rows from row_begin + i * rows_per_item) or one
+// segment of a longer row (segments_per_row > 1: row row_begin + i / segments_per_row, chunks from
+// 32 * slots * (i % segments_per_row)). Lane l takes the item's chunks l, l + 32, ...: from one to
+// the next the chunk index in the row grows by chunk_step and the row by row_step, plus one when
+// the chunk index wraps (chunk_step = 32 % chunks_per_row, row_step = 32 / chunks_per_row).
 struct CopyList {
   const void* src = nullptr;  // [T, H, >= row_elems], model dtype
   int64_t stride_src_token = 0, stride_src_head = 0;
   void* dst = nullptr;  // [T, H, >= row_elems], model dtype or fp8 (decode q_out)
   int64_t stride_dst_token = 0, stride_dst_head = 0;
   int64_t row_begin = 0, row_end = 0;
-  int64_t row_elems = 0;       // L (decode) or P (prefill)
-  int64_t chunks_per_row = 0;  // ceil(row_elems / 8)
-  int32_t slots_per_row = 1;   // ceil(chunks_per_row / 32): chunks of one row per lane
-  int32_t rows_per_item = 1;   // 4 / slots_per_row rows per warp item (1 when a row needs more)
+  int64_t row_elems = 0;  // L (decode) or P (prefill)
+  int32_t chunks_per_row = 0;  // ceil(row_elems / 8)
+  int32_t slots = 1;           // chunks a lane stages, <= kStageBytes / 32 / chunk bytes
+  int32_t rows_per_item = 1;
+  int32_t segments_per_row = 1;
+  int32_t row_step = 0, chunk_step = 0;
   int64_t num_items = 0;
 };
 
@@ -42,9 +54,10 @@ struct MlaRopeCacheKernelParams {
   int32_t rope_heads_per_item = 1;    // 8 / rope_pairs_per_lane
   int64_t num_rope_items = 0;
   // Rope items move whole 8-element chunks (GPT-J or no rotation, vector access, R / 8 divides
-  // 32): rope_heads_per_item is then a multiple of 32 / (R / 8) heads, at most 4 times it, and
-  // rope_pairs_per_lane is unused.
+  // 32): a lane stages rope_chunk_slots chunks, rope_heads_per_item = rope_chunk_slots * 32 / (R / 8)
+  // heads an item, and rope_pairs_per_lane is unused.
   bool rope_chunked = false;
+  int32_t rope_chunk_slots = 0;
   CopyList decode_copy;   // ql_nope -> q_out nope part, rows t < Td
   CopyList prefill_copy;  // q nope part -> q_prefill_out, rows t >= Td
   int64_t num_items = 0;  // all of the above

@@ -10,7 +10,7 @@
 //                                  kv_c[t] |c0 c1 ... c31|c32 ... c63|   (L = 512: 2 per lane)
 //                                           l0 l1 ... l31 l0  ... l31
 //                                and k_pe pairs p = l, l + 32, ... (R = 64: one pair per lane).
-//                                RMSNorm: the row -> per-warp shared memory -> 16 partial sums of
+//                                RMSNorm: the row -> the warp's shared memory -> 16 partial sums of
 //                                squares in the CPU backend's order -> shuffles; the weight goes
 //                                global -> shared by cp.async, in flight with the row loads.
 //                                fp8_ds_mla: the 16 lanes holding one 128-value tile reduce its
@@ -22,24 +22,32 @@
 //                                t < Td: q_pe -> q_out[t, h, L:]; t >= Td: q[t, h, P:] -> in place
 //                                or q_prefill_out[t, h, P:]. Two mappings (p.rope_chunked, host):
 //                                chunked (GPT-J or no rotation, 16-byte path, R / 8 = cph divides
-//                                32): hps = 32 / cph heads per slot, up to 4 slots (hps * min(4,
-//                                ceil(H / hps)) heads per item); slot s of lane l holds the chunk
-//                                c = l % cph (elements 8c .. 8c + 7 = pairs 4c .. 4c + 3) of head
-//                                h0 + s * hps + l / cph:
+//                                32): hps = 32 / cph heads per slot, up to 16 slots (bf16; 8 for
+//                                fp32) staged in the warp's shared memory; slot s of lane l holds
+//                                the chunk c = l % cph (elements 8c .. 8c + 7 = pairs 4c .. 4c + 3)
+//                                of head h0 + s * hps + l / cph:
 //                                  R = 64 bf16: |h0 c0..c7|h1 c0..c7|h2 ..|h3 ..|  slot 0
 //                                                l0 .. l7  l8 .. l15 ...          |h4 .. h7| slot 1
-//                                  (16 heads an item for H >= 16, 4 16-byte loads a lane in
-//                                  flight, cos/sin columns 4c .. 4c + 3 and R/2 + 4c .. read once
-//                                  per item; 8 slots would spill under the 80-register cap);
+//                                  (64 heads an item for H >= 64: 8 KB requested by cp.async at
+//                                  once, then the position, then cos/sin columns 4c .. 4c + 3 read
+//                                  once per item, then each slot rotated and stored);
 //                                otherwise (NeoX, unaligned, other R): up to 8 / ppl heads, slot
 //                                s < 8 of lane l: head h0 + s / ppl, pair l + 32 * (s % ppl)
 //                                (ppl = pairs per lane = ceil(R / 64)); all pair loads of the item
-//                                are in flight together.
+//                                are in flight together, in registers.
 //   then decode copy items     ql_nope[t, h, :L] -> q_out[t, h, :L] (converted / quantized), rows
-//                                t < Td; slot s < 4 of lane l: row r0 + s / spr, chunk
-//                                l + 32 * (s % spr) (spr = ceil(L / 256)): a pure streaming copy of
-//                                16-byte chunks, 4 per lane in flight, no shared memory.
-//   then prefill copy items    q[t, h, :P] -> q_prefill_out[t, h, :P], rows t >= Td, same mapping.
+//                                t < Td; lane l moves chunks l, l + 32, ... of the item's rows
+//                                laid end to end (L = 512 bf16: 64 chunks a row, 8 rows = 8 KB an
+//                                item, 16 chunks a lane), all staged in the warp's shared memory
+//                                by cp.async before the first is converted and stored: a pure
+//                                streaming copy with 8 KB a warp in flight and few registers.
+//   then prefill copy items    q[t, h, :P] -> q_prefill_out[t, h, :P], rows t >= Td, same mapping
+//                                (rows longer than an item are cut into segments).
+//
+// Shared memory: kStageBytes (8 KB) per warp, 32 KB a block: a K item's RMSNorm row and weight, or
+// the chunks a rope / copy item stages. Each lane reads back only what it staged itself (after its
+// own cp.async.wait_all), so the stage needs no barrier. Without 16-byte access (kVec false) copy
+// items stage through registers instead of cp.async.
 //
 // Aliasing: k_pe_out may be k_pe, kv_c_out may be kv_c, q_out's rope part may be q_pe,
 // q_prefill_out may be q: each element is read and written by the same lane (in both rope
@@ -66,8 +74,11 @@ constexpr int kMaxLatent = 1024;  // DESIGN.md: L <= 1024
 constexpr int kMaxLatentChunksPerLane = kMaxLatent / kChunkElems / kWarpSize;  // 4
 constexpr int kMaxRopePairsPerLane = 256 / 2 / kWarpSize;                      // R <= 256: 4
 constexpr int kRopeSlots = 8;
-constexpr int kCopySlots = 4;
-constexpr int kRopeChunkSlots = 4;
+// Chunks of 8 model-dtype values a lane stages in its warp's kStageBytes (bf16 / fp16: 16, fp32: 8).
+template <typename T>
+constexpr int kStageSlots = kStageBytes / kWarpSize / static_cast<int>(sizeof(Chunk<T>));
+static_assert(kStageBytes >= kMaxLatent * (sizeof(float) + sizeof(float)),
+              "the K item's RMSNorm row and weight fit in the stage");
 
 namespace mla_detail {
 
@@ -347,14 +358,16 @@ __device__ __forceinline__ void rope_item(const MlaRopeCacheKernelParams& p, int
 
 // Rope item i of the chunked path (GPT-J or no rotation, kVec, R / 8 divides 32; decided on the
 // host, p.rope_chunked): token t, heads [h0, h0 + rope_heads_per_item). The rope part of a head is
-// cph = R / 8 chunks of 8 elements (4 adjacent pairs, 16 bytes of bf16); slot s < 4 of lane l holds
-// chunk c = l % cph of head h0 + s * (32 / cph) + l / cph, so a lane's 4 pairs use the same cos/sin
-// columns 4c .. 4c + 3 in every slot (read once) and all chunk loads are in flight together.
-// rope_heads_per_item is a multiple of 32 / cph, so a slot is used by all lanes or by none.
-// Every element gets exactly rotate_pair / encode_pair's operations.
+// cph = R / 8 chunks of 8 elements (4 adjacent pairs, 16 bytes of bf16); slot s < rope_chunk_slots
+// of lane l holds chunk c = l % cph of head h0 + s * (32 / cph) + l / cph, so a lane's 4 pairs use
+// the same cos/sin columns 4c .. 4c + 3 in every slot (read once). Every slot is requested at once
+// into the warp's stage (cp.async: no registers held while they fly, up to 64 heads of bf16 at
+// R = 64), then the position and the cos/sin columns are read, then each slot is rotated and
+// stored. Every element gets exactly rotate_pair / encode_pair's operations.
 template <typename T, typename QOut>
 __device__ __forceinline__ void rope_item_chunked(const MlaRopeCacheKernelParams& p, int64_t i,
-                                                  int64_t td, float q_scale, int lane) {
+                                                  int64_t td, float q_scale, int lane,
+                                                  Chunk<T>* stage) {
   const core::MlaRopeCacheArgs& a = p.args;
   const auto [t, h0, decode] = rope_item_place(p, i, td);
   if (decode ? a.q_out == nullptr : a.q == nullptr) return;
@@ -364,17 +377,15 @@ __device__ __forceinline__ void rope_item_chunked(const MlaRopeCacheKernelParams
   const int hps = kWarpSize / cph;  // heads per slot
   const int c = lane % cph;
   const int64_t e0 = static_cast<int64_t>(c) * kChunkElems;
+  const int slots = p.rope_chunk_slots;
 
-  Chunk<T> v[kRopeChunkSlots];
 #pragma unroll
-  for (int s = 0; s < kRopeChunkSlots; ++s) {
-    const int g = s * hps + lane / cph;
-    const int64_t h = h0 + g;
-    if (g < p.rope_heads_per_item && h < H) {
-      v[s] = load_chunk<true>(rope_src<T>(a, decode, t, h) + e0, kChunkElems);
-    }
+  for (int s = 0; s < kStageSlots<T>; ++s) {
+    if (s >= slots) break;
+    const int64_t h = h0 + s * hps + lane / cph;
+    if (h < H) copy_chunk_async(stage[s * kWarpSize + lane].v, rope_src<T>(a, decode, t, h) + e0);
   }
-  const Divisor q_div = make_divisor(q_scale);  // fp8 q_out only
+  cp_async_commit();
   constexpr int kPairs = kChunkElems / 2;
   float cs[kPairs] = {};
   float sn[kPairs] = {};
@@ -387,12 +398,14 @@ __device__ __forceinline__ void rope_item_chunked(const MlaRopeCacheKernelParams
       sn[j] = load_table(a.rope, pos, half + c * kPairs + j);
     }
   }
+  const Divisor q_div = make_divisor(q_scale);  // fp8 q_out only
+  cp_async_wait_all();  // this lane's own chunks have landed
 #pragma unroll
-  for (int s = 0; s < kRopeChunkSlots; ++s) {
-    const int g = s * hps + lane / cph;
-    const int64_t h = h0 + g;
-    if (g < p.rope_heads_per_item && h < H) {
-      Chunk<T> m = v[s];
+  for (int s = 0; s < kStageSlots<T>; ++s) {
+    if (s >= slots) break;
+    const int64_t h = h0 + s * hps + lane / cph;
+    if (h < H) {
+      Chunk<T> m = stage[s * kWarpSize + lane];
       if (p.apply_rope) {
 #pragma unroll
         for (int j = 0; j < kPairs; ++j) {
@@ -411,57 +424,86 @@ __device__ __forceinline__ void rope_item_chunked(const MlaRopeCacheKernelParams
   }
 }
 
-// Copy item i of list c: rows [r0, r0 + rows_per_item) of t * H + h, decode rows (t < Td) or
-// prefill rows (t >= Td).
+// Stages elements [0, n) of a chunk: cp.async with kVec (n == 8, 16-byte aligned), else through
+// registers.
+template <bool kVec, typename T>
+__device__ __forceinline__ void stage_chunk(Chunk<T>* slot, const T* src, int n) {
+  if constexpr (kVec) {
+    copy_chunk_async(slot->v, src);
+  } else {
+    *slot = load_chunk<false>(src, n);
+  }
+}
+
+// Copy item i of list c (CopyList in mla_rope_cache.h: whole rows or one segment of a row) on the
+// decode rows (t < Td) or the prefill rows (t >= Td). Lane l stages the item's chunks l, l + 32,
+// ... (up to c.slots of them) into the warp's stage, all in flight together, then converts and
+// stores them.
 template <typename T, typename Dst, bool kVec>
 __device__ __forceinline__ void copy_item(const CopyList& c, int64_t i, bool decode, int64_t td,
-                                          int64_t H, float scale, int lane) {
-  const int64_t r0 = c.row_begin + i * c.rows_per_item;
+                                          int64_t H, float scale, int lane, Chunk<T>* stage) {
+  int64_t r0 = c.row_begin + i * c.rows_per_item;
+  int k0 = 0;
+  if (c.segments_per_row > 1) {
+    const int64_t row = i / c.segments_per_row;
+    r0 = c.row_begin + row;
+    k0 = static_cast<int>(i - row * c.segments_per_row) * c.slots * kWarpSize;
+  }
+  const int64_t rows_left = c.row_end - r0;
+  const int rows = static_cast<int>(rows_left < c.rows_per_item ? rows_left : c.rows_per_item);
+  const int cpr = c.chunks_per_row;
   const int64_t t0 = r0 / H;
   const int64_t h0 = r0 - t0 * H;
-  const int spr = c.slots_per_row;
-  // packed: every row fits in spr <= 4 slots, the item's rows are covered in one pass.
-  const bool packed = spr <= kCopySlots;
 
-  // Source and destination of slot s; false when the slot has nothing to copy.
-  auto locate = [&](int64_t kbase, int s, const T*& src, Dst*& dst, int& n) {
-    const int rl = packed ? s / spr : 0;
-    const int64_t k = kbase + (packed ? s - rl * spr : s) * kWarpSize + lane;
-    if (rl >= c.rows_per_item || r0 + rl >= c.row_end || k >= c.chunks_per_row) return false;
+  // f(slot, src, dst, n) for each chunk this lane moves: chunk q = k0 + lane + 32 s of the item
+  // (row q / cpr, chunk q % cpr, found by steps from the first).
+  auto for_each_chunk = [&](auto&& f) {
+    const int q = k0 + lane;
+    int rl = q / cpr;
+    int k = q - rl * cpr;
     int64_t t = t0;
     int64_t h = h0 + rl;
-    while (h >= H) {  // rl < 4 rows past r0: at most 3 steps
+    while (h >= H) {
       h -= H;
       ++t;
     }
-    if (decode ? t >= td : t < td) return false;
-    const int64_t e0 = k * kChunkElems;
-    src = static_cast<const T*>(c.src) + t * c.stride_src_token + h * c.stride_src_head + e0;
-    dst = static_cast<Dst*>(c.dst) + t * c.stride_dst_token + h * c.stride_dst_head + e0;
-    const int64_t left = c.row_elems - e0;
-    n = left < kChunkElems ? static_cast<int>(left) : kChunkElems;
-    return true;
+#pragma unroll 4
+    for (int s = 0; s < kStageSlots<T>; ++s) {
+      if (s >= c.slots || rl >= rows) break;
+      if (decode ? t < td : t >= td) {
+        const int64_t e0 = static_cast<int64_t>(k) * kChunkElems;
+        const T* src =
+            static_cast<const T*>(c.src) + t * c.stride_src_token + h * c.stride_src_head + e0;
+        Dst* dst = static_cast<Dst*>(c.dst) + t * c.stride_dst_token + h * c.stride_dst_head + e0;
+        const int64_t left = c.row_elems - e0;
+        f(s, src, dst, left < kChunkElems ? static_cast<int>(left) : kChunkElems);
+      }
+      k += c.chunk_step;
+      int step = c.row_step;
+      if (k >= cpr) {
+        k -= cpr;
+        ++step;
+      }
+      rl += step;
+      h += step;
+      while (h >= H) {
+        h -= H;
+        ++t;
+      }
+    }
   };
 
-  for (int64_t kbase = 0; kbase < c.chunks_per_row; kbase += kWarpSize * kCopySlots) {
-    Chunk<T> v[kCopySlots];
-#pragma unroll
-    for (int s = 0; s < kCopySlots; ++s) {
-      const T* src;
-      Dst* dst;
-      int n;
-      if (locate(kbase, s, src, dst, n)) v[s] = load_chunk<kVec>(src, n);
-    }
-    const Divisor div = make_divisor(scale);  // fp8 destinations only
-#pragma unroll
-    for (int s = 0; s < kCopySlots; ++s) {
-      const T* src;
-      Dst* dst;
-      int n;
-      if (locate(kbase, s, src, dst, n)) store_chunk<kVec>(dst, encode_chunk<Dst>(v[s], div), n);
-    }
-    if (packed) break;
+  for_each_chunk([&](int s, const T* src, Dst*, int n) {
+    stage_chunk<kVec>(stage + s * kWarpSize + lane, src, n);
+  });
+  if constexpr (kVec) {
+    cp_async_commit();
+    cp_async_wait_all();  // this lane's own chunks have landed
   }
+  const Divisor div = make_divisor(scale);  // fp8 destinations only
+  for_each_chunk([&](int s, const T*, Dst* dst, int n) {
+    store_chunk<kVec>(dst, encode_chunk<Dst>(stage[s * kWarpSize + lane], div), n);
+  });
 }
 
 }  // namespace mla_detail
@@ -475,9 +517,9 @@ constexpr int kMlaMinBlocks = kVec && sizeof(T) == 2 ? 6 : 1;
 template <typename T, CacheFormat kFormat, typename QOut, bool kVec>
 __global__ void __launch_bounds__(kMlaThreads, (kMlaMinBlocks<T, kFormat, QOut, kVec>))
     mla_rope_cache_kernel(const __grid_constant__ MlaRopeCacheKernelParams p) {
-  // RMSNorm scratch of each warp's token: the row as floats and the weight (vector path).
-  __shared__ __align__(16) float norm_row[kMlaWarps][kMaxLatent];
-  __shared__ __align__(16) T norm_weight[kMlaWarps][kMaxLatent];
+  // Each warp's stage: its K item's RMSNorm row (as floats) and weight, or the chunks of its rope
+  // or copy item.
+  __shared__ __align__(16) unsigned char stage_bytes[kMlaWarps][kStageBytes];
   prefetch_params(p, p.num_items <= 0);  // the launcher never launches an empty list
   const int lane = static_cast<int>(threadIdx.x) % kWarpSize;
   const int warp = static_cast<int>(threadIdx.x) / kWarpSize;
@@ -504,8 +546,11 @@ __global__ void __launch_bounds__(kMlaThreads, (kMlaMinBlocks<T, kFormat, QOut, 
   // One item per warp: a grid-stride loop would keep every path's loop invariants live at once.
   int64_t i = static_cast<int64_t>(blockIdx.x) * kMlaWarps + warp;
   if (i >= p.num_items) return;
+  unsigned char* const my_stage = stage_bytes[warp];
+  Chunk<T>* const stage = reinterpret_cast<Chunk<T>*>(my_stage);
   if (i < p.num_k_items) {
-    mla_detail::k_side_item<T, kFormat, kVec>(p, i, lane, norm_row[warp], norm_weight[warp],
+    mla_detail::k_side_item<T, kFormat, kVec>(p, i, lane, reinterpret_cast<float*>(my_stage),
+                                              reinterpret_cast<T*>(my_stage + kMaxLatent * 4),
                                               cache_scale);
     return;
   }
@@ -513,7 +558,7 @@ __global__ void __launch_bounds__(kMlaThreads, (kMlaMinBlocks<T, kFormat, QOut, 
   if (i < p.num_rope_items) {
     if constexpr (kVec) {
       if (p.rope_chunked) {
-        mla_detail::rope_item_chunked<T, QOut>(p, i, td, q_scale, lane);
+        mla_detail::rope_item_chunked<T, QOut>(p, i, td, q_scale, lane, stage);
         return;
       }
     }
@@ -522,11 +567,13 @@ __global__ void __launch_bounds__(kMlaThreads, (kMlaMinBlocks<T, kFormat, QOut, 
   }
   i -= p.num_rope_items;
   if (i < p.decode_copy.num_items) {
-    mla_detail::copy_item<T, QOut, kVec>(p.decode_copy, i, true, td, a.num_heads, q_scale, lane);
+    mla_detail::copy_item<T, QOut, kVec>(p.decode_copy, i, true, td, a.num_heads, q_scale, lane,
+                                         stage);
     return;
   }
   i -= p.decode_copy.num_items;
-  mla_detail::copy_item<T, T, kVec>(p.prefill_copy, i, false, td, a.num_heads, 1.0f, lane);
+  mla_detail::copy_item<T, T, kVec>(p.prefill_copy, i, false, td, a.num_heads, 1.0f, lane,
+                                    stage);
 }
 
 template <typename T, CacheFormat kFormat, typename QOut, bool kVec>
