@@ -1,6 +1,7 @@
 // mlakv CLI: `mlakv bench`. DeepSeek-V3 shapes; for every workload and token count: a correctness
 // check, then the fused op, the unfused primitives an engine runs today, and a copy of the same
-// bytes, timed on one backend.
+// bytes, timed on one backend. Two families of workloads: the K/Q-side data path (mla_rope_cache,
+// class Row) and the layer's input norms (rmsnorm_quant / mla_rmsnorm_quant, class NormRow).
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -27,11 +28,13 @@ constexpr int64_t kH = 128;
 constexpr int64_t kL = 512;
 constexpr int64_t kR = 64;
 constexpr int64_t kP = 128;
+constexpr int64_t kQc = 1536;         // q_lora_rank: the width of q_c
+constexpr int64_t kQuantGroup = 128;  // G of the FP8 block-scaled q_b_proj (DeepSeek-V3: 128 x 128)
 constexpr int64_t kBlockSize = 64;
 constexpr DType kModel = DType::kBFloat16;
 constexpr int64_t kModelBytes = 2;
 constexpr int64_t kIndexBytes = 8;  // int64 positions and slots
-constexpr float kNormEps = 1e-6f;   // kv_a_layernorm's eps (DeepSeek-V3 rms_norm_eps)
+constexpr float kNormEps = 1e-6f;   // q/kv_a_layernorm's eps (DeepSeek-V3 rms_norm_eps)
 // The DeepSeek-V3 YaRN table has 4096 * 40 positions; decode positions are spread over all of it.
 constexpr int64_t kMaxPos = 163840;
 constexpr float kFp8CacheScale = 0.0234375f;
@@ -39,14 +42,17 @@ constexpr float kFp8QScale = 0.01953125f;
 constexpr int kMaxSets = 40;
 // The reference is a scalar host loop: check it against the fused op at small T only.
 constexpr int64_t kMaxReferenceTokens = 512;
+constexpr uint8_t kPoisonByte = 0xA5;
 
-enum class Kind { kDecode, kPrefill, kMixed };
+// kDecode / kPrefill / kMixed: mla_rope_cache (Row). kNormQuant: rmsnorm_quant of q_c;
+// kDualNorm: mla_rmsnorm_quant of q_c and kv_c (NormRow).
+enum class Kind { kDecode, kPrefill, kMixed, kNormQuant, kDualNorm };
 
 struct Workload {
   const char* name;
   const char* description;
   Kind kind;
-  CacheFormat cache_format;
+  CacheFormat cache_format;  // mla_rope_cache workloads only, as q_out_dtype .. kv_norm
   DType q_out_dtype;
   bool nope_in_q_out;  // the absorb GEMM already wrote ql_nope into q_out
   bool kv_norm;        // kv_a_layernorm inside the fused op (unfused: an rms_norm launch first)
@@ -110,6 +116,24 @@ const std::vector<Workload>& all_workloads() {
        false,
        {128, 1024, 4096, 16384},
        {128, 1024, 4096}},
+      {"rmsnorm_quant_qc",
+       "q_c [T, 1536] bf16 -> RMSNorm -> e4m3 + column-major scales (G 128)",
+       Kind::kNormQuant,
+       CacheFormat::kBFloat16,
+       DType::kBFloat16,
+       false,
+       true,
+       {1, 8, 32, 128, 512, 1024, 2048, 4096, 8192, 16384},
+       {1, 32, 512, 4096}},
+      {"mla_rmsnorm_quant",
+       "q_c as rmsnorm_quant_qc, kv_c [T, 512] -> RMSNorm -> bf16, one launch",
+       Kind::kDualNorm,
+       CacheFormat::kBFloat16,
+       DType::kBFloat16,
+       false,
+       true,
+       {1, 8, 32, 128, 512, 1024, 2048, 4096, 8192, 16384},
+       {1, 32, 512, 4096}},
   };
   return workloads;
 }
@@ -122,6 +146,9 @@ int64_t decode_tokens(Kind kind, int64_t T) {
       return 0;
     case Kind::kMixed:
       return T / 2;
+    case Kind::kNormQuant:
+    case Kind::kDualNorm:
+      return 0;
   }
   return 0;
 }
@@ -183,8 +210,29 @@ void expect_same(const std::string& label, const char* what, const char* versus,
   }
 }
 
-// The buffers, params and ops of one (workload, T) row.
-class Row {
+// One (workload, T) row of the table: its input sets, ops and correctness check.
+class BenchRow {
+ public:
+  virtual ~BenchRow() = default;
+  virtual int num_sets() const = 0;
+  virtual int64_t bytes() const = 0;
+  virtual int64_t decode_tokens() const = 0;
+  virtual Op fused_op(int s) const = 0;
+  virtual Op unfused_op(int s) const = 0;
+  // The fused op's bytes equal the unfused path's on set 0, and the reference's when asked.
+  virtual void check(bool with_reference) = 0;
+};
+
+// Input sets rotated through: enough to exceed the timer's rotation size, at most kMaxSets.
+int rotation_sets(const Timer& timer, int64_t bytes) {
+  const size_t rotation = timer.rotation_bytes();
+  return static_cast<size_t>(bytes) >= rotation
+             ? 1
+             : std::min<int>(kMaxSets, static_cast<int>((rotation + bytes - 1) / bytes));
+}
+
+// The buffers, params and ops of one mla_rope_cache (workload, T) row.
+class Row : public BenchRow {
  public:
   Row(const Workload& w, int64_t T, Timer& timer, const Buffer& table, const Buffer& cache_scale,
       const Buffer& q_scale, const Buffer& error_counts, int workload_index)
@@ -198,10 +246,7 @@ class Row {
         q_scale_(q_scale),
         error_counts_(error_counts) {
     bytes_ = fused_bytes(w, T);
-    const size_t rotation = timer.rotation_bytes();
-    num_sets_ = static_cast<size_t>(bytes_) >= rotation
-                    ? 1
-                    : std::min<int>(kMaxSets, static_cast<int>((rotation + bytes_ - 1) / bytes_));
+    num_sets_ = rotation_sets(timer, bytes_);
     // Scattered slots over a cache twice as large as all sets' tokens together.
     const int64_t min_slots = std::max<int64_t>(2 * T * num_sets_, 4 * kBlockSize);
     num_blocks_ = (min_slots + kBlockSize - 1) / kBlockSize;
@@ -228,11 +273,11 @@ class Row {
     }
   }
 
-  int num_sets() const { return num_sets_; }
-  int64_t bytes() const { return bytes_; }
-  int64_t decode_tokens() const { return Td_; }
+  int num_sets() const override { return num_sets_; }
+  int64_t bytes() const override { return bytes_; }
+  int64_t decode_tokens() const override { return Td_; }
 
-  Op fused_op(int s) const {
+  Op fused_op(int s) const override {
     const MlaRopeCacheParams params = fused_params(sets_[s]);
     int32_t* counts = error_counts_.as<int32_t>();
     return [params, counts](void* stream) {
@@ -246,7 +291,7 @@ class Row {
   // What an engine runs today: rotary_embedding on q's rope part (decode: q_pe) and k_pe in place,
   // concat_and_cache_mla, then the decode-query concat (or, with ql_nope already in q_out, a
   // strided copy of the rotated q_pe into q_out, as torch's copy_ would do).
-  Op unfused_op(int s) const {
+  Op unfused_op(int s) const override {
     const InputSet& in = sets_[s];
     RotaryEmbeddingParams rope;
     rope.num_tokens = T_;
@@ -304,7 +349,7 @@ class Row {
   }
 
   // fused == unfused byte for byte on set 0 (cache, q_out, q), and fused == reference when asked.
-  void check(bool with_reference) {
+  void check(bool with_reference) override {
     const std::string label = row_label(w_, T_);
     InputSet& in = sets_[0];
     reset_error_counts(error_counts_.as<int32_t>(), device_);
@@ -380,8 +425,6 @@ class Row {
   }
 
  private:
-  static constexpr uint8_t kPoisonByte = 0xA5;
-
   bool has_q() const { return w_.kind != Kind::kDecode; }
 
   InputSet make_set(Rng& rng, const std::vector<int64_t>& slot_values, bool keep_host) {
@@ -498,6 +541,222 @@ class Row {
   std::vector<uint8_t> norm_weight_host_;  // kv_norm: the same, for the reference
   Buffer kv_c_normed_;                     // kv_norm: the unfused path's rms_norm output [T, L]
   std::vector<InputSet> sets_;
+};
+
+// rmsnorm_quant of q_c (kNormQuant) or mla_rmsnorm_quant of q_c and kv_c (kDualNorm), bf16, eps
+// 1e-6, G = 128, the scales column-major [N/G, T rounded up to 4] (the MN-major layout a
+// DeepGEMM-style FP8 block-scaled GEMM reads; the padding is never written). Unfused: rms_norm into
+// a scratch tensor, then per_token_group_quant_fp8 (kNormQuant); rmsnorm_quant of q_c, then
+// rms_norm of kv_c (kDualNorm: the 2-op sequence of scripts/bench_rmsnorm_quant.py).
+class NormRow : public BenchRow {
+ public:
+  NormRow(const Workload& w, int64_t T, const Timer& timer, int workload_index)
+      : w_(w),
+        T_(T),
+        dual_(w.kind == Kind::kDualNorm),
+        device_(timer.device()),
+        scale_stride_((T + 3) / 4 * 4) {
+    // Minimal traffic: q_c read, e4m3 values and scales written, the weights read once; the dual
+    // form also reads kv_c and writes the normalized kv_c.
+    bytes_ = T * kQc * (kModelBytes + 1) + T * (kQc / kQuantGroup) * 4 + kQc * kModelBytes;
+    if (dual_) bytes_ += T * kL * 2 * kModelBytes + kL * kModelBytes;
+    num_sets_ = rotation_sets(timer, bytes_);
+    Rng weight_rng(0x4e0f1000u + static_cast<uint64_t>(T));
+    q_weight_host_ = random_values(kModel, kQc, 2.0f, weight_rng);
+    q_weight_ = upload(q_weight_host_);
+    if (dual_) {
+      kv_weight_host_ = random_values(kModel, kL, 2.0f, weight_rng);
+      kv_weight_ = upload(kv_weight_host_);
+    } else {
+      q_normed_ = Buffer(device_, static_cast<size_t>(T * kQc * kModelBytes));
+    }
+    for (int s = 0; s < num_sets_; ++s) {
+      Rng rng(0xbe4d0000u + 1000003u * static_cast<uint64_t>(workload_index) +
+              31u * static_cast<uint64_t>(T) + static_cast<uint64_t>(s));
+      Set set;
+      std::vector<uint8_t> q_c = random_values(kModel, T * kQc, 2.0f, rng);
+      set.q_c = upload(q_c);
+      set.values = Buffer(device_, static_cast<size_t>(T * kQc));
+      set.scales = Buffer(device_, static_cast<size_t>(kQc / kQuantGroup * scale_stride_ * 4));
+      std::vector<uint8_t> kv_c;
+      if (dual_) {
+        kv_c = random_values(kModel, T * kL, 2.0f, rng);
+        set.kv_c = upload(kv_c);
+        set.kv_c_out = Buffer(device_, static_cast<size_t>(T * kL * kModelBytes));
+      }
+      if (s == 0) {
+        q_c_host_ = std::move(q_c);
+        kv_c_host_ = std::move(kv_c);
+      }
+      sets_.push_back(std::move(set));
+    }
+  }
+
+  int num_sets() const override { return num_sets_; }
+  int64_t bytes() const override { return bytes_; }
+  int64_t decode_tokens() const override { return 0; }
+
+  Op fused_op(int s) const override {
+    const RmsNormQuantParams q = q_params(sets_[s], device_);
+    if (!dual_) {
+      return [q](void* stream) { rmsnorm_quant(q, stream_context(stream)); };
+    }
+    MlaRmsNormQuantParams p;
+    p.q = q;
+    p.kv = kv_params(sets_[s], device_);
+    return [p](void* stream) { mla_rmsnorm_quant(p, stream_context(stream)); };
+  }
+
+  Op unfused_op(int s) const override {
+    const Set& in = sets_[s];
+    const RmsNormQuantParams q = q_params(in, device_);
+    if (dual_) {
+      const RmsNormParams kv = kv_params(in, device_);
+      return [q, kv](void* stream) {
+        const Context ctx = stream_context(stream);
+        rmsnorm_quant(q, ctx);
+        rms_norm(kv, ctx);
+      };
+    }
+    RmsNormParams norm;
+    norm.num_tokens = T_;
+    norm.input = q.input;
+    norm.weight = q.weight;
+    norm.eps = kNormEps;
+    norm.output = make_view(q_normed_.data(), kModel, {T_, kQc}, device_);
+    PerTokenGroupQuantParams quant;
+    quant.num_tokens = T_;
+    quant.input = norm.output;
+    quant.quant = q.quant;
+    return [norm, quant](void* stream) {
+      const Context ctx = stream_context(stream);
+      rms_norm(norm, ctx);
+      per_token_group_quant_fp8(quant, ctx);
+    };
+  }
+
+  void check(bool with_reference) override {
+    const std::string label = row_label(w_, T_);
+    Set& in = sets_[0];
+    poison_outputs(in);
+    fused_op(0)(nullptr);
+    device_synchronize(device_);
+    const Outputs fused = download(in);
+    poison_outputs(in);
+    unfused_op(0)(nullptr);
+    device_synchronize(device_);
+    expect_all_same(label, "unfused", fused, download(in));
+    if (!with_reference) return;
+
+    // The reference on host copies, its outputs poisoned as the device ones were.
+    Outputs ref;
+    ref.values.assign(in.values.bytes(), kPoisonByte);
+    ref.scales.assign(in.scales.bytes(), kPoisonByte);
+    ref.kv_c_out.assign(in.kv_c_out.bytes(), kPoisonByte);
+    const Device cpu{DeviceType::kCPU, 0};
+    RmsNormQuantParams q = q_params(in, cpu);
+    q.input.data = q_c_host_.data();
+    q.weight.data = q_weight_host_.data();
+    q.quant.values.data = ref.values.data();
+    q.quant.scales.data = ref.scales.data();
+    ref::rmsnorm_quant(q);
+    if (dual_) {
+      RmsNormQuantParams kv;
+      kv.num_tokens = T_;
+      kv.input = make_view(kv_c_host_.data(), kModel, {T_, kL}, cpu);
+      kv.weight = make_view(kv_weight_host_.data(), kModel, {kL}, cpu);
+      kv.eps = kNormEps;
+      kv.normed_out = make_view(ref.kv_c_out.data(), kModel, {T_, kL}, cpu);
+      ref::rmsnorm_quant(kv);
+    }
+    expect_all_same(label, "reference", fused, ref);
+  }
+
+ private:
+  struct Set {
+    Buffer q_c;       // [T, 1536], bf16
+    Buffer values;    // [T, 1536], e4m3
+    Buffer scales;    // [1536 / G, T rounded up to 4], fp32: column-major scales of [T, 1536 / G]
+    Buffer kv_c;      // dual: [T, 512], bf16
+    Buffer kv_c_out;  // dual: [T, 512], bf16
+  };
+  struct Outputs {
+    std::vector<uint8_t> values, scales, kv_c_out;
+  };
+
+  static Context stream_context(void* stream) {
+    Context ctx;
+    ctx.stream = stream;
+    return ctx;
+  }
+
+  Buffer upload(const std::vector<uint8_t>& host) const {
+    Buffer b(device_, host.size());
+    b.upload(host);
+    return b;
+  }
+
+  // The views of a set on `device` (the reference rebases the data pointers to host copies).
+  RmsNormQuantParams q_params(const Set& in, Device device) const {
+    RmsNormQuantParams p;
+    p.num_tokens = T_;
+    p.input = make_view(in.q_c.data(), kModel, {T_, kQc}, device);
+    p.weight = make_view(q_weight_.data(), kModel, {kQc}, device);
+    p.eps = kNormEps;
+    p.quant.values = make_view(in.values.data(), DType::kFloat8E4M3, {T_, kQc}, device);
+    p.quant.scales = column_major_scales_view(in.scales.as<float>(), T_, kQc / kQuantGroup,
+                                              scale_stride_, device);
+    p.quant.group_size = kQuantGroup;
+    return p;
+  }
+
+  RmsNormParams kv_params(const Set& in, Device device) const {
+    RmsNormParams p;
+    p.num_tokens = T_;
+    p.input = make_view(in.kv_c.data(), kModel, {T_, kL}, device);
+    p.weight = make_view(kv_weight_.data(), kModel, {kL}, device);
+    p.eps = kNormEps;
+    p.output = make_view(in.kv_c_out.data(), kModel, {T_, kL}, device);
+    return p;
+  }
+
+  void poison_outputs(Set& in) {
+    in.values.fill_byte(kPoisonByte);
+    in.scales.fill_byte(kPoisonByte);
+    if (dual_) in.kv_c_out.fill_byte(kPoisonByte);
+  }
+
+  Outputs download(const Set& in) const {
+    Outputs out;
+    out.values = in.values.download();
+    out.scales = in.scales.download();
+    if (dual_) out.kv_c_out = in.kv_c_out.download();
+    return out;
+  }
+
+  // Every byte, padding of the scales included (poisoned before each run, never written).
+  void expect_all_same(const std::string& label, const char* versus, const Outputs& fused,
+                       const Outputs& other) const {
+    expect_same(label, "q_c values", versus, fused.values, other.values, 0, fused.values.size());
+    expect_same(label, "q_c scales", versus, fused.scales, other.scales, 0, fused.scales.size());
+    if (dual_) {
+      expect_same(label, "kv_c_out", versus, fused.kv_c_out, other.kv_c_out, 0,
+                  fused.kv_c_out.size());
+    }
+  }
+
+  const Workload& w_;
+  int64_t T_;
+  bool dual_;
+  Device device_;
+  int64_t scale_stride_;  // T rounded up to 4: 16-byte aligned columns of the scales
+  int64_t bytes_ = 0;
+  int num_sets_ = 1;
+  Buffer q_weight_, kv_weight_;  // [1536], [512] (dual), bf16
+  std::vector<uint8_t> q_weight_host_, kv_weight_host_;
+  Buffer q_normed_;                            // kNormQuant: the unfused path's rms_norm output
+  std::vector<uint8_t> q_c_host_, kv_c_host_;  // set 0, for the reference
+  std::vector<Set> sets_;
 };
 
 nlohmann::json timing_json(const Timing& t) {
@@ -634,29 +893,35 @@ int run_bench(const BenchOptions& options) {
       const std::string prefix = "[" + std::to_string(row_index) + "/" +
                                  std::to_string(total_rows) + "] " + row_label(*w, T) + ": ";
       progress.show(prefix + "preparing inputs");
-      Row row(*w, T, *timer, table, cache_scale, q_scale, error_counts, workload_index);
+      std::unique_ptr<BenchRow> row;
+      if (w->kind == Kind::kNormQuant || w->kind == Kind::kDualNorm) {
+        row = std::make_unique<NormRow>(*w, T, *timer, workload_index);
+      } else {
+        row = std::make_unique<Row>(*w, T, *timer, table, cache_scale, q_scale, error_counts,
+                                    workload_index);
+      }
       std::string check = "skipped";
       if (!options.skip_check) {
         const bool with_reference = !reference_done && T <= kMaxReferenceTokens;
         progress.show(prefix + (with_reference ? "checking (fused == unfused == reference)"
                                                : "checking (fused == unfused)"));
-        row.check(with_reference);
+        row->check(with_reference);
         reference_done = reference_done || with_reference;
         check = with_reference ? "fused == unfused == reference" : "fused == unfused";
       }
       std::vector<Op> fused, unfused, copies;
-      for (int s = 0; s < row.num_sets(); ++s) {
-        fused.push_back(row.fused_op(s));
-        unfused.push_back(row.unfused_op(s));
+      for (int s = 0; s < row->num_sets(); ++s) {
+        fused.push_back(row->fused_op(s));
+        unfused.push_back(row->unfused_op(s));
       }
       // The copy moves the same traffic: bytes/2 read and bytes/2 written, rotated like the op.
-      const size_t half = static_cast<size_t>(row.bytes() / 2);
+      const size_t half = static_cast<size_t>(row->bytes() / 2);
       const size_t chunk = (half + 255) / 256 * 256;
-      Buffer copy_src(device, chunk * row.num_sets());
-      Buffer copy_dst(device, chunk * row.num_sets());
+      Buffer copy_src(device, chunk * row->num_sets());
+      Buffer copy_dst(device, chunk * row->num_sets());
       copy_src.fill_byte(1);
       copy_dst.fill_byte(0);
-      for (int s = 0; s < row.num_sets(); ++s) {
+      for (int s = 0; s < row->num_sets(); ++s) {
         copies.push_back(timer->copy_op(copy_dst.as<uint8_t>() + s * chunk,
                                         copy_src.as<uint8_t>() + s * chunk, half));
       }
@@ -670,23 +935,23 @@ int run_bench(const BenchOptions& options) {
       const Timing t_copy = timer->time(copies);
       progress.clear();
 
-      const double gbps = static_cast<double>(row.bytes()) / (t_fused.median_us * 1e3);
-      const double copy_gbps = static_cast<double>(row.bytes()) / (t_copy.median_us * 1e3);
+      const double gbps = static_cast<double>(row->bytes()) / (t_fused.median_us * 1e3);
+      const double copy_gbps = static_cast<double>(row->bytes()) / (t_copy.median_us * 1e3);
       const double pct_copy = 100.0 * t_copy.median_us / t_fused.median_us;
       const double speedup = t_unfused.median_us / t_fused.median_us;
       const std::string spread = format_us(t_fused.p10_us) + "-" + format_us(t_fused.p90_us);
       std::printf("%-21s %6lld %10s %19s %10s %8.1f %5.0f%% %9s %10s %7.2fx\n", w->name,
                   static_cast<long long>(T), format_us(t_fused.median_us).c_str(), spread.c_str(),
-                  format_bytes(static_cast<double>(row.bytes())).c_str(), gbps, pct_copy,
+                  format_bytes(static_cast<double>(row->bytes())).c_str(), gbps, pct_copy,
                   format_us(t_copy.median_us).c_str(), format_us(t_unfused.median_us).c_str(),
                   speedup);
       std::fflush(stdout);
       rows.push_back({{"workload", w->name},
                       {"description", w->description},
                       {"T", T},
-                      {"Td", row.decode_tokens()},
-                      {"bytes", row.bytes()},
-                      {"input_sets", row.num_sets()},
+                      {"Td", row->decode_tokens()},
+                      {"bytes", row->bytes()},
+                      {"input_sets", row->num_sets()},
                       {"check", check},
                       {"fused", timing_json(t_fused)},
                       {"unfused", timing_json(t_unfused)},

@@ -42,8 +42,8 @@ int main(int argc, char** argv) {
   bench
       ->add_option("--workload", bench_options.workloads,
                    "Workloads (comma separated): decode_bf16, decode_bf16_norm, decode_fp8, "
-                   "decode_nope_in_q_out, "
-                   "prefill_bf16, mixed_bf16; default all")
+                   "decode_nope_in_q_out, prefill_bf16, mixed_bf16, rmsnorm_quant_qc, "
+                   "mla_rmsnorm_quant; default all")
       ->delimiter(',');
   bench->add_option("--tokens", bench_options.tokens, "Token counts T (comma separated)")
       ->delimiter(',')

@@ -20,7 +20,8 @@
 #   SANITIZE_TIMEOUT the same for each sanitizer run (default STAGE_TIMEOUT)
 #   PROFILE_CASES    workload:T pairs that `profile` runs under Nsight Compute (one fused-kernel
 #                    launch each; default: decode_nope_in_q_out:1 decode_bf16:1 decode_bf16:2048
-#                    prefill_bf16:8192)
+#                    prefill_bf16:8192); rmsnorm_quant_qc:T and mla_rmsnorm_quant:T profile the
+#                    rmsnorm_quant kernels
 #   CMAKE_ARGS       more configure arguments, e.g. '-DMLAKV_CUDA_GENCODE=-gencode=arch=compute_90a,code=sm_90a'
 #                    (Hopper code only, no PTX: a faster build for a short verification run)
 #   WERROR           ON to build with -DMLAKV_WERROR=ON (default OFF: a ptxas spill warning must
@@ -137,7 +138,7 @@ stage_python() {
 # One launch of the fused kernel per workload:T under ncu (clocks left alone): duration, memory
 # throughput, occupancy, warp stall reasons and the hottest source lines.
 stage_profile() {
-  local spec w t rc=0 r STALL_METRICS=""
+  local spec w t kernel rc=0 r STALL_METRICS=""
   for r in long_scoreboard imc_miss no_instruction wait lg_throttle drain barrier membar \
     short_scoreboard mio_throttle math_pipe_throttle branch_resolving dispatch_stall not_selected \
     selected misc sleeping tex_throttle; do
@@ -146,8 +147,12 @@ stage_profile() {
   for spec in ${PROFILE_CASES:-decode_nope_in_q_out:1 decode_bf16:1 decode_bf16:2048 prefill_bf16:8192}; do
     w=${spec%%:*}
     t=${spec##*:}
+    case $w in
+      rmsnorm_quant_qc | mla_rmsnorm_quant) kernel=rmsnorm_quant ;;
+      *) kernel=mla_rope_cache_kernel ;;
+    esac
     run_logged "ncu $spec" "$LOGS/ncu_${w}_${t}.txt" \
-      ncu --clock-control none --cache-control none -k regex:mla_rope_cache_kernel --launch-skip 8 --launch-count 1 \
+      ncu --clock-control none --cache-control none -k "regex:$kernel" --launch-skip 8 --launch-count 1 \
       --section SpeedOfLight --section LaunchStats --section Occupancy \
       --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis \
       --section SourceCounters --metrics "$STALL_METRICS" \

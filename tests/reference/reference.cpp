@@ -554,6 +554,50 @@ void rms_norm(const RmsNormParams& p) {
   }
 }
 
+void rmsnorm_quant(const RmsNormQuantParams& p) {
+  const int64_t N = p.input.shape[1];
+  const DType model = p.input.dtype;
+  const Fp8GroupQuantOutput& q = p.quant;
+  constexpr float kE4M3Max = 448.0f;
+  for (int64_t t = 0; t < p.num_tokens; ++t) {
+    std::vector<float> s = load_row(p.input, t, 0, 0, N);
+    if (p.residual.present()) {
+      const std::vector<float> r = load_row(p.residual, t, 0, 0, N);
+      for (int64_t i = 0; i < N; ++i) s[i] = round_to(s[i] + r[i], model);
+      store_row(p.residual, t, 0, 0, s);
+    }
+    float partial[16] = {};
+    for (int64_t i = 0; i < N; ++i) partial[i % 16] += s[i] * s[i];
+    for (int width = 8; width > 0; width /= 2) {
+      for (int k = 0; k < width; ++k) partial[k] += partial[k + width];
+    }
+    const float inv = 1.0f / std::sqrt(partial[0] / static_cast<float>(N) + p.eps);
+    std::vector<float> y(static_cast<size_t>(N));
+    for (int64_t i = 0; i < N; ++i) {
+      y[i] = round_to((s[i] * inv) * load_value(at(p.weight, i), p.weight.dtype), model);
+    }
+    if (p.normed_out.present()) store_row(p.normed_out, t, 0, 0, y);
+    if (!q.values.present()) continue;
+    for (int64_t g = 0; g < N / q.group_size; ++g) {
+      float amax = 0.0f;
+      for (int64_t i = g * q.group_size; i < (g + 1) * q.group_size; ++i) {
+        if (std::fabs(y[i]) > amax) amax = std::fabs(y[i]);  // a NaN never compares greater
+      }
+      float scale = amax / kE4M3Max;
+      if (!(scale >= q.scale_floor)) scale = q.scale_floor;
+      if (q.pow2_scale && std::isfinite(scale)) {
+        int e = 0;
+        const float m = std::frexp(scale, &e);  // scale = m * 2^e, m in [0.5, 1)
+        scale = std::ldexp(1.0f, m == 0.5f ? e - 1 : e);
+      }
+      std::memcpy(at(q.scales, t, g), &scale, sizeof(float));
+      for (int64_t i = g * q.group_size; i < (g + 1) * q.group_size; ++i) {
+        *static_cast<uint8_t*>(at(q.values, t, i)) = float_to_fp8(y[i] / scale, DType::kFloat8E4M3);
+      }
+    }
+  }
+}
+
 void gather_cache_slots(const GatherCacheSlotsParams& p, int32_t* error_counts) {
   const int64_t D = p.kv_cache.kv_lora_rank + p.kv_cache.rope_dim;
   for (int64_t i = 0; i < p.num_tokens; ++i) {

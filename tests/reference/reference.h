@@ -12,6 +12,7 @@
 
 #include "mlakv/cache.h"
 #include "mlakv/ops.h"
+#include "mlakv/rmsnorm_quant.h"
 #include "mlakv/tensor.h"
 
 namespace mlakv {
@@ -42,6 +43,11 @@ void rotary_embedding(const RotaryEmbeddingParams& params, int32_t* error_counts
 void concat_and_cache_mla(const ConcatAndCacheMlaParams& params, int32_t* error_counts = nullptr);
 void decode_q_concat(const DecodeQConcatParams& params);
 void rms_norm(const RmsNormParams& params);
+// rmsnorm_quant sums the squares in its documented order (docs/rmsnorm_quant.md: 16 interleaved
+// partial sums in element order, combined pairwise), not sequentially as rms_norm above: its bytes
+// are compared exactly. Without quant.values it only normalizes into normed_out (the kv_c half of
+// mla_rmsnorm_quant).
+void rmsnorm_quant(const RmsNormQuantParams& params);
 void gather_cache_slots(const GatherCacheSlotsParams& params, int32_t* error_counts = nullptr);
 void gather_cache_sequences(const GatherCacheSequencesParams& params,
                             int32_t* error_counts = nullptr);
