@@ -4,8 +4,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
-#include <cstring>
 
 #include "core/rmsnorm_quant_args.h"
 #include "cuda/cuda_utils.h"
@@ -15,19 +13,6 @@
 
 namespace mlakv {
 namespace cuda {
-namespace {
-
-// MLAKV_RMSQ_BLOCK_PER_ROW=1 sends every launch to the block-per-row kernel (kernel v1), for an
-// A/B comparison of the two on a GPU; read once per process.
-bool block_per_row_forced() {
-  static const bool forced = [] {
-    const char* v = std::getenv("MLAKV_RMSQ_BLOCK_PER_ROW");
-    return v != nullptr && std::strcmp(v, "1") == 0;
-  }();
-  return forced;
-}
-
-}  // namespace
 
 void rmsnorm_quant(const core::RmsNormQuantArgs& args, const Context& ctx, int device_index) {
   RmsNormQuantKernelParams params;
@@ -63,17 +48,8 @@ void rmsnorm_quant(const core::RmsNormQuantArgs& args, const Context& ctx, int d
   DeviceGuard guard(device_index);
   const auto stream = static_cast<cudaStream_t>(ctx.stream);
   MLAKV_MODEL_DTYPE_SWITCH(args.model_dtype, "cuda::rmsnorm_quant: model_dtype", T, [&] {
-    // A warp per row when every row fits a warp's registers (q_c, kv_c): a block per row would
-    // hold one row's loads in flight per block and wait on a barrier-bound sum.
-    const bool warp_rows =
-        !block_per_row_forced() &&
-        max_chunks * kChunkElems * static_cast<int64_t>(sizeof(T)) <= kRmsqWarpRowBytes;
-    if (warp_rows) {
-      launch_rmsnorm_quant_warp_kernel<T>(params, num_blocks, stream);
-    } else {
-      launch_rmsnorm_quant_kernel<T>(params, num_blocks, static_cast<int>(threads), smem_bytes,
-                                     stream);
-    }
+    launch_rmsnorm_quant_kernel<T>(params, num_blocks, static_cast<int>(threads), smem_bytes,
+                                   stream);
   });
 }
 
@@ -83,12 +59,6 @@ template void launch_rmsnorm_quant_kernel<num::Half>(const RmsNormQuantKernelPar
                                                      size_t, cudaStream_t);
 template void launch_rmsnorm_quant_kernel<float>(const RmsNormQuantKernelParams&, int64_t, int,
                                                  size_t, cudaStream_t);
-template void launch_rmsnorm_quant_warp_kernel<num::Bf16>(const RmsNormQuantKernelParams&, int64_t,
-                                                          cudaStream_t);
-template void launch_rmsnorm_quant_warp_kernel<num::Half>(const RmsNormQuantKernelParams&, int64_t,
-                                                          cudaStream_t);
-template void launch_rmsnorm_quant_warp_kernel<float>(const RmsNormQuantKernelParams&, int64_t,
-                                                      cudaStream_t);
 
 }  // namespace cuda
 }  // namespace mlakv

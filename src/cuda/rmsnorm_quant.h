@@ -1,7 +1,6 @@
 // mlakv CUDA backend: RMSNorm + FP8 per-token-group quantization (rmsnorm_quant,
 // mla_rmsnorm_quant's two tasks in one grid, per_token_group_quant_fp8) -- kernel parameters and
-// the launcher templates of its two kernels (rmsnorm_quant_kernel.cuh; instantiated in
-// rmsnorm_quant.cu).
+// the launcher template (rmsnorm_quant_kernel.cuh; instantiated in rmsnorm_quant.cu).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -17,11 +16,6 @@ namespace cuda {
 // chunks of 8 elements per thread, so N <= 1024 * 4 * 8 = 32768 (kMaxRmsNormQuantHidden).
 constexpr int kRmsqMaxThreads = 1024;
 constexpr int kRmsqMaxChunksPerThread = 4;
-// The warp-per-row kernel: rows of at most this many bytes in the model dtype (N <= 1536 bf16 /
-// fp16, <= 768 fp32: 96 bytes of registers a lane; 4 KB rows spill at the register cap below),
-// kRmsqRowsPerBlock rows a block.
-constexpr int kRmsqWarpRowBytes = 3072;
-constexpr int kRmsqRowsPerBlock = 8;
 
 struct RmsNormQuantKernelParams {
   core::RmsNormQuantTask tasks[2];  // validated; tasks[1] unused unless the dual form
@@ -33,12 +27,6 @@ struct RmsNormQuantKernelParams {
 template <typename T>
 void launch_rmsnorm_quant_kernel(const RmsNormQuantKernelParams& params, int64_t num_blocks,
                                  int threads, size_t smem_bytes, cudaStream_t stream);
-
-// A warp per row of either task, kRmsqRowsPerBlock rows a block; every row of at most
-// kRmsqWarpRowBytes. Shared memory is sized from the params.
-template <typename T>
-void launch_rmsnorm_quant_warp_kernel(const RmsNormQuantKernelParams& params, int64_t num_rows,
-                                      cudaStream_t stream);
 
 }  // namespace cuda
 }  // namespace mlakv

@@ -1,46 +1,27 @@
-// mlakv CUDA backend: the RMSNorm + FP8 per-token-group quantization kernels.
+// mlakv CUDA backend: the RMSNorm + FP8 per-token-group quantization kernel.
 //
-// The grid covers the rows of task 0 (q_c, or the only task), then the rows of task 1 (kv_c of the
-// dual form), so both norms of an MLA layer run in one launch. Row r of that index space is row
-// t = r of task 0 if r < num_rows_first, else row t = r - num_rows_first of task 1. Chunk = 8
-// consecutive elements: 16 bytes of bf16/fp16, 32 of fp32, 8 bytes of e4m3 output. Two kernels:
+// One block per token row; the grid covers the rows of task 0 (q_c, or the only task), then the
+// rows of task 1 (kv_c of the dual form), so both norms of an MLA layer run in one launch.
 //
-// rmsnorm_quant_warp_kernel (rows of at most kRmsqWarpRowBytes = 3 KB: N <= 1536 bf16/fp16,
-// <= 768 fp32; DeepSeek-V3's q_c and kv_c): a warp per row, kRmsqRowsPerBlock = 8 rows a block.
+// Thread -> data mapping (chunk = 8 consecutive elements: 16 bytes of bf16/fp16, 32 of fp32, and
+// 8 bytes of e4m3 output), thread tid of a block of B threads holds chunks c = tid + i * B,
+// i < 4, in registers:
 //
-//   row  |c0 c1 ... c31|c32 ... c63|...           N = 1536 bf16: 192 chunks, 6 a lane
-//         l0 l1 ... l31 l0  ... l31               (N = 512: 2 a lane); lane l holds c = l + 32 i
-//   group g of G values = chunks [g * G/8, (g+1) * G/8) = G/8 consecutive lanes
-//         (G = 128: lanes 0-15 and 16-31 of slot i hold groups 2i and 2i + 1)
-//   shared memory: the weights of the normalizing tasks [N0 | N1] (staged once per block by
-//         cp.async, while the rows load), then one row buffer [max N] per warp, model dtype.
-//
-//   1. every lane issues the 16-byte loads of all its chunks, and the block's threads the cp.async
-//      of the weights, before any dependent work: a block keeps kRmsqRowsPerBlock rows in flight;
-//      with a residual, s = round(x + residual) is stored back into the residual;
-//   2. the warp writes s to its row buffer; lane k < 16 sums the squares of elements k, k + 16, ...
-//      in order (accumulate_squares), then the 16 partial sums are combined pairwise: exactly the
-//      CPU backend's order, so CPU and CUDA agree bit for bit; then one block barrier makes the
-//      staged weights visible (after the sum, so a warp's load and sum overlap the others');
-//   3. y = round((s * inv) * w) per chunk (w from shared memory), then as below (finish_chunk).
-//
-// rmsnorm_quant_kernel (any row up to 32768 elements; the hidden-size norm with a residual, and
-// every launch while MLAKV_RMSQ_BLOCK_PER_ROW=1): a block per row. Thread tid of a block of B
-// threads holds chunks c = tid + i * B, i < 4, in registers:
-//
-//   row  |c0 c1 ... c(B-1)|cB ... c(2B-1)|...          N = 7168 bf16, B = 224: 4 chunks a thread
+//   row  |c0 c1 ... c(B-1)|cB ... c(2B-1)|...          N = 1536 bf16, B = 64: 3 chunks a thread
 //         t0 t1 ... t(B-1) t0 ... t(B-1)
-//   group g of G values = G/8 consecutive lanes of one warp, as above
+//   group g of G values = chunks [g * G/8, (g+1) * G/8) = G/8 consecutive lanes of one warp
+//         (G = 128: 16 lanes, 256 bytes of bf16 in, 128 bytes of e4m3 out)
 //
-//   1. load the chunks (16-byte accesses), the residual as above; with a weight, the squares s*s go
-//      to shared memory sq[N];
-//   2. warp 0: lane k < 16 sums sq[k], sq[k + 16], ... in order, then combines pairwise;
-//   3. y = round((s * inv) * w) per chunk (16-byte weight loads through the read-only path).
-//
-// finish_chunk (phase 3 of both): the normalized row streamed out (normed_out), the group amax
-// reduced over the group's lanes by xor shuffles, scale = group_scale(amax), e4m3(y / scale)
-// streamed out 8 bytes a lane, and the group's first lane stores the scale at
-// t * stride_scales_token + g * stride_scales_group (row- or column-major).
+// Phases of a block:
+//   1. load the chunks (16-byte accesses); with a residual, s = round(x + residual) is stored back
+//      into the residual; with a weight, the squares s*s go to shared memory sq[N];
+//   2. warp 0: lane k < 16 sums sq[k], sq[k + 16], ... in order, then the 16 partial sums are
+//      combined pairwise: exactly the CPU backend's order, so CPU and CUDA agree bit for bit;
+//   3. y = round((s * inv) * w) per chunk (16-byte weight loads through the read-only path), the
+//      normalized row streamed out (normed_out), the group amax reduced over the group's lanes by
+//      xor shuffles, scale = group_scale(amax), e4m3(y / scale) streamed out 8 bytes a lane, and
+//      the group's first lane stores the scale at t * stride_scales_token + g * stride_scales_group
+//      (row- or column-major).
 // Stores use the streaming (evict-first) hint: the outputs are read by the next kernel, not this
 // one. normed_out may be the input itself: every element is read (phase 1) before it is written
 // (phase 3) by the same thread.
@@ -134,185 +115,7 @@ __device__ __forceinline__ void store_chunk_cs(T* dst, const Chunk<T>& c) {
   for (int i = 0; i < cuda::detail::kChunkWords<T>; ++i) __stcs(words + i, u.w[i]);
 }
 
-// ---- shared phases ---------------------------------------------------------------------------
-// Phase 1 for one chunk: s = x, or round(x + residual) stored back into the residual.
-template <typename T>
-__device__ __forceinline__ Chunk<T> load_row_chunk(const T* x, T* residual, int64_t c) {
-  Chunk<T> s = load_chunk<true>(x + c * kChunkElems, kChunkElems);
-  if (residual != nullptr) {
-    const Chunk<T> r = load_chunk<true>(residual + c * kChunkElems, kChunkElems);
-#pragma unroll
-    for (int e = 0; e < kChunkElems; e += 2) {
-      round2<T>(num::add_rn(to_f(s.v[e]), to_f(r.v[e])),
-                num::add_rn(to_f(s.v[e + 1]), to_f(r.v[e + 1])), s.v[e], s.v[e + 1]);
-    }
-    store_chunk<true>(residual + c * kChunkElems, s, kChunkElems);
-  }
-  return s;
-}
-
-// Phase 3 for chunk c of row t, called by every lane of the warp (the group amax is a shuffle):
-// lanes whose chunk lies past the row pass active = false and only feed zeros into shuffles of
-// groups nobody stores (groups never straddle the end of the row: N % G == 0). wc: the weight
-// chunk (normalizing tasks).
-template <typename T>
-__device__ __forceinline__ void finish_chunk(const core::RmsNormQuantTask& task, int64_t t,
-                                             int64_t c, bool active, const Chunk<T>& s,
-                                             const Chunk<T>& wc, float inv, T* normed, uint8_t* q,
-                                             int lane) {
-  const bool normalize = task.weight != nullptr;
-  const int lanes_per_group = static_cast<int>(task.group_size / kChunkElems);
-  Chunk<T> y = s;
-  float amax = 0.0f;
-  if (active) {
-    if (normalize) {
-#pragma unroll
-      for (int e = 0; e < kChunkElems; e += 2) {
-        round2<T>(num::rms_apply(to_f(s.v[e]), inv, to_f(wc.v[e])),
-                  num::rms_apply(to_f(s.v[e + 1]), inv, to_f(wc.v[e + 1])), y.v[e], y.v[e + 1]);
-      }
-    }
-    if (normed != nullptr) store_chunk_cs(normed + c * kChunkElems, y);
-#pragma unroll
-    for (int e = 0; e < kChunkElems; ++e) amax = num::amax_update(amax, to_f(y.v[e]));
-  }
-  if (q == nullptr) return;
-  amax = group_max(amax, lanes_per_group);
-  if (!active) return;
-  const float scale = num::group_scale(amax, task.scale_floor, task.pow2_scale);
-  const Divisor div = make_divisor(scale);  // device_common.cuh: the bits of div_rn
-  float v[kChunkElems];
-#pragma unroll
-  for (int e = 0; e < kChunkElems; ++e) v[e] = divide(to_f(y.v[e]), div);
-  uint2 bytes;
-  bytes.x = e4m3x4(v[0], v[1], v[2], v[3]);
-  bytes.y = e4m3x4(v[4], v[5], v[6], v[7]);
-  __stcs(reinterpret_cast<uint2*>(q + c * kChunkElems), bytes);
-  if (lane % lanes_per_group == 0) {
-    const int64_t g = c / lanes_per_group;
-    __stcs(task.scales + t * task.stride_scales_token + g * task.stride_scales_group, scale);
-  }
-}
-
-template <typename T>
-__device__ __forceinline__ T* row_or_null(void* base, int64_t t, int64_t stride) {
-  return base != nullptr ? static_cast<T*>(base) + t * stride : nullptr;
-}
-
-// ---- a warp per row --------------------------------------------------------------------------
-// Chunks a lane holds: a row of kRmsqWarpRowBytes over 32 lanes.
-template <typename T>
-constexpr int kWarpRowSlots = kRmsqWarpRowBytes / kWarpSize / static_cast<int>(sizeof(Chunk<T>));
-
-// Shared memory of the warp kernel, in elements of T (every part a multiple of 8 elements, so each
-// starts 16-byte aligned): the weights of the normalizing tasks, then a row buffer per warp.
-struct WarpSmemLayout {
-  int64_t weight_offset[2];
-  int64_t rows_offset;
-  int64_t row_elems;
-  __host__ __device__ int64_t total_elems() const {
-    return rows_offset + kRmsqRowsPerBlock * row_elems;
-  }
-};
-
-__host__ __device__ inline WarpSmemLayout warp_smem_layout(const RmsNormQuantKernelParams& p) {
-  WarpSmemLayout l{};
-  int64_t offset = 0;
-  for (int k = 0; k < 2; ++k) {
-    l.weight_offset[k] = offset;
-    if (p.tasks[k].weight != nullptr) {
-      offset += p.tasks[k].hidden;
-      l.row_elems = l.row_elems > p.tasks[k].hidden ? l.row_elems : p.tasks[k].hidden;
-    }
-  }
-  l.rows_offset = offset;
-  return l;
-}
-
-// At most 85 registers a thread (bf16 needs 77): 3 blocks = 24 rows, 72 KB of q_c loads, in flight
-// per SM.
-constexpr int kWarpKernelMinBlocksPerSm = 3;
-
-template <typename T>
-__global__ void __launch_bounds__(kRmsqRowsPerBlock* kWarpSize, kWarpKernelMinBlocksPerSm)
-    rmsnorm_quant_warp_kernel(const __grid_constant__ RmsNormQuantKernelParams params) {
-  extern __shared__ __align__(16) unsigned char smem_bytes[];
-  T* smem = reinterpret_cast<T*>(smem_bytes);
-  const WarpSmemLayout layout = warp_smem_layout(params);
-  const int lane = static_cast<int>(threadIdx.x) % kWarpSize;
-  const int warp = static_cast<int>(threadIdx.x) / kWarpSize;
-  const int64_t num_rows = params.num_rows_first + params.tasks[1].num_tokens;
-  const int64_t block_row0 = static_cast<int64_t>(blockIdx.x) * kRmsqRowsPerBlock;
-
-  // Stage the weights of the tasks whose rows this block holds (asynchronous; waited for after
-  // the sum of squares).
-#pragma unroll
-  for (int k = 0; k < 2; ++k) {
-    const core::RmsNormQuantTask& task = params.tasks[k];
-    const bool has_rows =
-        k == 0 ? block_row0 < params.num_rows_first
-               : block_row0 + kRmsqRowsPerBlock > params.num_rows_first && task.num_tokens > 0;
-    if (task.weight == nullptr || !has_rows) continue;
-    const T* w = static_cast<const T*>(task.weight);
-    for (int64_t c = threadIdx.x; c < task.hidden / kChunkElems; c += blockDim.x) {
-      copy_chunk_async(smem + layout.weight_offset[k] + c * kChunkElems, w + c * kChunkElems);
-    }
-  }
-  cp_async_commit();
-
-  const int64_t r = block_row0 + warp;
-  const bool has_row = r < num_rows;
-  const int k = r >= params.num_rows_first ? 1 : 0;
-  const core::RmsNormQuantTask& task = params.tasks[k];
-  const int64_t t = r - (k == 1 ? params.num_rows_first : 0);
-  const int num_chunks = static_cast<int>(task.hidden / kChunkElems);  // <= 256
-  const bool normalize = task.weight != nullptr;
-  T* residual = row_or_null<T>(task.residual, t, task.stride_residual_token);
-
-  // Phase 1: every load of the row in flight at once.
-  Chunk<T> s[kWarpRowSlots<T>];
-  if (has_row) {
-    const T* x = static_cast<const T*>(task.input) + t * task.stride_input_token;
-#pragma unroll
-    for (int i = 0; i < kWarpRowSlots<T>; ++i) {
-      const int c = i * kWarpSize + lane;
-      if (c < num_chunks) s[i] = load_row_chunk(x, residual, c);
-    }
-  }
-
-  // Phase 2: the CPU backend's sum order over the row buffer, then the weights' barrier.
-  float inv = 1.0f;
-  if (has_row && normalize) {
-    T* row = smem + layout.rows_offset + warp * layout.row_elems;
-#pragma unroll
-    for (int i = 0; i < kWarpRowSlots<T>; ++i) {
-      const int c = i * kWarpSize + lane;
-      if (c < num_chunks) *reinterpret_cast<Chunk<T>*>(row + c * kChunkElems) = s[i];
-    }
-    const float acc = accumulate_squares(row, 0, task.hidden, 0.0f, lane);
-    inv = num::rms_inv(combine_partial_sums(acc, lane), task.hidden, task.eps);
-  }
-  cp_async_wait_all();
-  __syncthreads();
-  if (!has_row) return;
-
-  // Phase 3: normalize, store, quantize.
-  // (A select, not an index: a runtime index would put the layout in local memory.)
-  const T* w = smem + (k == 1 ? layout.weight_offset[1] : layout.weight_offset[0]);
-  T* normed = row_or_null<T>(task.normed_out, t, task.stride_normed_out_token);
-  uint8_t* q = row_or_null<uint8_t>(task.quant_values, t, task.stride_quant_values_token);
-#pragma unroll
-  for (int i = 0; i < kWarpRowSlots<T>; ++i) {
-    const int c = i * kWarpSize + lane;
-    if (i * kWarpSize >= num_chunks) break;  // warp-uniform
-    const bool active = c < num_chunks;
-    Chunk<T> wc{};
-    if (normalize && active) wc = *reinterpret_cast<const Chunk<T>*>(w + c * kChunkElems);
-    finish_chunk(task, t, c, active, s[i], wc, inv, normed, q, lane);
-  }
-}
-
-// ---- a block per row -------------------------------------------------------------------------
+// ---- the kernel ------------------------------------------------------------------------------
 template <typename T>
 __global__ void __launch_bounds__(kRmsqMaxThreads)
     rmsnorm_quant_kernel(const __grid_constant__ RmsNormQuantKernelParams params) {
@@ -331,7 +134,9 @@ __global__ void __launch_bounds__(kRmsqMaxThreads)
   const bool normalize = task.weight != nullptr;
 
   const T* x = static_cast<const T*>(task.input) + t * task.stride_input_token;
-  T* residual = row_or_null<T>(task.residual, t, task.stride_residual_token);
+  T* residual = task.residual != nullptr
+                    ? static_cast<T*>(task.residual) + t * task.stride_residual_token
+                    : nullptr;
 
   // Phase 1: s (model dtype) in registers, squares to shared memory.
   Chunk<T> s[kRmsqMaxChunksPerThread];
@@ -339,7 +144,16 @@ __global__ void __launch_bounds__(kRmsqMaxThreads)
   for (int i = 0; i < kRmsqMaxChunksPerThread; ++i) {
     const int64_t c = static_cast<int64_t>(i) * threads + tid;
     if (c >= num_chunks) continue;
-    s[i] = load_row_chunk(x, residual, c);
+    s[i] = load_chunk<true>(x + c * kChunkElems, kChunkElems);
+    if (residual != nullptr) {
+      const Chunk<T> r = load_chunk<true>(residual + c * kChunkElems, kChunkElems);
+#pragma unroll
+      for (int e = 0; e < kChunkElems; e += 2) {
+        round2<T>(num::add_rn(to_f(s[i].v[e]), to_f(r.v[e])),
+                  num::add_rn(to_f(s[i].v[e + 1]), to_f(r.v[e + 1])), s[i].v[e], s[i].v[e + 1]);
+      }
+      store_chunk<true>(residual + c * kChunkElems, s[i], kChunkElems);
+    }
     if (normalize) {
       float v2[kChunkElems];
 #pragma unroll
@@ -372,53 +186,69 @@ __global__ void __launch_bounds__(kRmsqMaxThreads)
 
   // Phase 3: normalize, store, quantize.
   const T* w = static_cast<const T*>(task.weight);
-  T* normed = row_or_null<T>(task.normed_out, t, task.stride_normed_out_token);
-  uint8_t* q = row_or_null<uint8_t>(task.quant_values, t, task.stride_quant_values_token);
+  T* normed = task.normed_out != nullptr
+                  ? static_cast<T*>(task.normed_out) + t * task.stride_normed_out_token
+                  : nullptr;
+  uint8_t* q = task.quant_values != nullptr ? task.quant_values + t * task.stride_quant_values_token
+                                            : nullptr;
+  const int lanes_per_group = static_cast<int>(task.group_size / kChunkElems);
 #pragma unroll
   for (int i = 0; i < kRmsqMaxChunksPerThread; ++i) {
     const int64_t c = static_cast<int64_t>(i) * threads + tid;
-    // Warp-uniform: the warp's first chunk exists.
+    // Warp-uniform: the warp's first chunk exists. Groups never straddle the end of the row
+    // (N % G == 0), so lanes past it only feed zeros into shuffles of groups nobody stores.
     if (static_cast<int64_t>(i) * threads + warp * kWarpSize >= num_chunks) continue;
     const bool active = c < num_chunks;
-    Chunk<T> wc{};
-    if (normalize && active) wc = load_chunk_ro(w + c * kChunkElems);
-    finish_chunk(task, t, c, active, s[i], wc, inv, normed, q, lane);
+    Chunk<T> y = s[i];
+    float amax = 0.0f;
+    if (active) {
+      if (normalize) {
+        const Chunk<T> wc = load_chunk_ro(w + c * kChunkElems);
+#pragma unroll
+        for (int e = 0; e < kChunkElems; e += 2) {
+          round2<T>(num::rms_apply(to_f(s[i].v[e]), inv, to_f(wc.v[e])),
+                    num::rms_apply(to_f(s[i].v[e + 1]), inv, to_f(wc.v[e + 1])), y.v[e],
+                    y.v[e + 1]);
+        }
+      }
+      if (normed != nullptr) store_chunk_cs(normed + c * kChunkElems, y);
+#pragma unroll
+      for (int e = 0; e < kChunkElems; ++e) amax = num::amax_update(amax, to_f(y.v[e]));
+    }
+    if (q == nullptr) continue;
+    amax = group_max(amax, lanes_per_group);
+    if (!active) continue;
+    const float scale = num::group_scale(amax, task.scale_floor, task.pow2_scale);
+    const Divisor div = make_divisor(scale);  // device_common.cuh: the bits of div_rn
+    float v[kChunkElems];
+#pragma unroll
+    for (int e = 0; e < kChunkElems; ++e) v[e] = divide(to_f(y.v[e]), div);
+    uint2 bytes;
+    bytes.x = e4m3x4(v[0], v[1], v[2], v[3]);
+    bytes.y = e4m3x4(v[4], v[5], v[6], v[7]);
+    __stcs(reinterpret_cast<uint2*>(q + c * kChunkElems), bytes);
+    if (lane % lanes_per_group == 0) {
+      const int64_t g = c / lanes_per_group;
+      __stcs(task.scales + t * task.stride_scales_token + g * task.stride_scales_group, scale);
+    }
   }
 }
 
 }  // namespace rmsq
 
-// Sets the dynamic shared memory limit of `kernel` when it needs more than the default 48 KB.
-template <typename Kernel>
-void allow_smem(Kernel kernel, size_t smem_bytes) {
-  constexpr size_t kDefaultSmemBytes = 48 * 1024;
-  if (smem_bytes > kDefaultSmemBytes) {
-    MLAKV_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                          static_cast<int>(smem_bytes)));
-  }
-}
-
 template <typename T>
 void launch_rmsnorm_quant_kernel(const RmsNormQuantKernelParams& params, int64_t num_blocks,
                                  int threads, size_t smem_bytes, cudaStream_t stream) {
   // Rows wider than 12288 elements need more than the default 48 KB of dynamic shared memory.
-  allow_smem(rmsq::rmsnorm_quant_kernel<T>, smem_bytes);
+  constexpr size_t kDefaultSmemBytes = 48 * 1024;
+  if (smem_bytes > kDefaultSmemBytes) {
+    MLAKV_CUDA_CHECK(cudaFuncSetAttribute(rmsq::rmsnorm_quant_kernel<T>,
+                                          cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                          static_cast<int>(smem_bytes)));
+  }
   rmsq::rmsnorm_quant_kernel<T>
       <<<static_cast<unsigned>(num_blocks), threads, smem_bytes, stream>>>(params);
   MLAKV_CUDA_CHECK_LAUNCH("rmsnorm_quant_kernel");
-}
-
-template <typename T>
-void launch_rmsnorm_quant_warp_kernel(const RmsNormQuantKernelParams& params, int64_t num_rows,
-                                      cudaStream_t stream) {
-  const int64_t num_blocks = (num_rows + kRmsqRowsPerBlock - 1) / kRmsqRowsPerBlock;
-  const size_t smem_bytes =
-      static_cast<size_t>(rmsq::warp_smem_layout(params).total_elems()) * sizeof(T);
-  allow_smem(rmsq::rmsnorm_quant_warp_kernel<T>, smem_bytes);
-  rmsq::rmsnorm_quant_warp_kernel<T>
-      <<<static_cast<unsigned>(num_blocks), kRmsqRowsPerBlock * kWarpSize, smem_bytes, stream>>>(
-          params);
-  MLAKV_CUDA_CHECK_LAUNCH("rmsnorm_quant_warp_kernel");
 }
 
 }  // namespace cuda
