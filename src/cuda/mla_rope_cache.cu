@@ -1,6 +1,7 @@
 // mlakv CUDA backend: launchers of the fused MLA RoPE + KV-cache op and of the two unfused
 // primitives that run through the same kernel (concat_and_cache_mla, decode_q_concat).
 #include <algorithm>
+#include <atomic>
 #include <cstdlib>
 #include <string>
 #include <type_traits>
@@ -14,6 +15,10 @@ namespace cuda {
 namespace {
 
 constexpr int kRopeSlotsHost = 8;  // mla_rope_cache_kernel.cuh kRopeSlots
+// Chunks a lane stages at most in a rope or copy item: 8 (4 KB of bf16 a warp) measured as fast as
+// 16 at large T and faster for a model-dtype copy; an fp8 q_out copy (half the bytes stored) uses
+// the whole stage.
+constexpr int64_t kItemSlotsHost = 8;
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
@@ -27,10 +32,34 @@ int64_t tune(const char* name, int64_t value) {
   return env != nullptr ? std::atoll(env) : value;
 }
 
+// Warps of the fused kernel resident on the current device at once (kMlaResidentWarpsPerSm on each
+// multiprocessor), the multiprocessor count cached per device.
+int64_t resident_warps() {
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int> sm_counts[kMaxDevices];
+  int device = 0;
+  MLAKV_CUDA_CHECK(cudaGetDevice(&device));
+  int sms = device < kMaxDevices ? sm_counts[device].load(std::memory_order_relaxed) : 0;
+  if (sms == 0) {
+    MLAKV_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+    if (device < kMaxDevices) sm_counts[device].store(sms, std::memory_order_relaxed);
+  }
+  return int64_t{sms} * kMlaResidentWarpsPerSm;
+}
+
+// Slots per lane for a list of `chunks` chunks: items as large as the stage allows (`most`), but
+// small enough that the list fills a wave of resident warps first (a latency-bound launch is
+// fastest spread over every multiprocessor), in powers of two.
+int64_t slots_for(int64_t chunks, int64_t most, int64_t wave_warps) {
+  int64_t slots = 1;
+  while (slots * 2 <= most && chunks >= 32 * slots * 2 * wave_warps) slots *= 2;
+  return slots;
+}
+
 CopyList make_copy_list(const void* src, int64_t stride_src_token, int64_t stride_src_head,
                         void* dst, int64_t stride_dst_token, int64_t stride_dst_head,
                         int64_t token_begin, int64_t token_end, int64_t H, int64_t row_elems,
-                        int64_t elem_bytes) {
+                        int64_t most_slots, int64_t wave_warps) {
   CopyList c;
   if (token_end <= token_begin || row_elems <= 0 || H <= 0) return c;
   c.src = src;
@@ -46,8 +75,9 @@ CopyList make_copy_list(const void* src, int64_t stride_src_token, int64_t strid
   MLAKV_CHECK(cpr < (int64_t{1} << 30), "mla_rope_cache: rows of ", row_elems,
               " elements are too long for one launch");
   c.chunks_per_row = static_cast<int32_t>(cpr);
-  const int64_t slots = std::clamp<int64_t>(tune("COPY_SLOTS", stage_slots(elem_bytes)), 1,
-                                            stage_slots(elem_bytes));
+  const int64_t slots = std::clamp<int64_t>(
+      tune("COPY_SLOTS", slots_for((c.row_end - c.row_begin) * cpr, most_slots, wave_warps)), 1,
+      most_slots);
   const int64_t capacity = 32 * slots;  // chunks an item stages
   if (cpr <= capacity) {
     c.rows_per_item = static_cast<int32_t>(capacity / cpr);
@@ -60,13 +90,24 @@ CopyList make_copy_list(const void* src, int64_t stride_src_token, int64_t strid
   }
   c.row_step = static_cast<int32_t>(32 / cpr);
   c.chunk_step = static_cast<int32_t>(32 % cpr);
+  const bool one_run =
+      stride_src_token == H * stride_src_head && stride_dst_token == H * stride_dst_head;
+  c.rows_per_token = one_run ? c.row_end + 1 : H;
+  c.src_token_jump = one_run ? 0 : stride_src_token - H * stride_src_head;
+  c.dst_token_jump = one_run ? 0 : stride_dst_token - H * stride_dst_head;
+  for (int wrapped = 0; wrapped < 2; ++wrapped) {
+    const int64_t rows = c.row_step + wrapped;
+    const int64_t elems = 8 * (c.chunk_step - (wrapped != 0 ? cpr : 0));
+    c.src_step[wrapped] = rows * stride_src_head + elems;
+    c.dst_step[wrapped] = rows * stride_dst_head + elems;
+  }
   return c;
 }
 
 // The work lists of one launch. Host Td: each Q list covers exactly its rows. Device Td: both
 // decode and prefill lists cover all T rows and the kernel skips the rows on the other side.
 MlaRopeCacheKernelParams make_params(const core::MlaRopeCacheArgs& a, bool apply_rope, bool vec,
-                                     int32_t* error_counts) {
+                                     int32_t* error_counts, int64_t wave_warps) {
   MlaRopeCacheKernelParams p;
   p.args = a;
   p.apply_rope = apply_rope;
@@ -74,6 +115,8 @@ MlaRopeCacheKernelParams make_params(const core::MlaRopeCacheArgs& a, bool apply
   const int64_t T = a.num_tokens;
   const int64_t H = a.num_heads;
   const int64_t elem_bytes = static_cast<int64_t>(dtype_size(a.model_dtype));
+  const bool fp8_q_out = a.q_out != nullptr && a.q_out_dtype != a.model_dtype &&
+                         dtype_size(a.q_out_dtype) == 1;
   const bool device_td = a.num_decode_tokens_device != nullptr;
   const int64_t td = std::min<int64_t>(std::max<int64_t>(a.num_decode_tokens, 0), T);
   const int64_t decode_end = device_td ? T : td;
@@ -93,32 +136,35 @@ MlaRopeCacheKernelParams make_params(const core::MlaRopeCacheArgs& a, bool apply
   const int64_t cph = a.rope_dim / 8;
   p.rope_chunked = vec && (!apply_rope || a.rope.style == RopeStyle::kGptJ) &&
                    a.rope_dim % 8 == 0 && cph > 0 && 32 % cph == 0;
+  const bool has_rope = (has_decode || has_prefill) && half > 0;
+  p.rope_token_begin = has_decode ? 0 : prefill_begin;
+  const int64_t rope_tokens = has_rope ? (has_prefill ? T : decode_end) - p.rope_token_begin : 0;
   if (p.rope_chunked) {
-    // Whole slots of 32 / cph heads, no more slots than the heads need (H = 8: 2 of 16).
+    // Whole slots of 32 / cph heads, no more slots than the heads need (H = 8: 2 of them).
     const int64_t hps = 32 / cph;
-    const int64_t most = stage_slots(elem_bytes);
+    const int64_t most = std::min(kItemSlotsHost, stage_slots(elem_bytes));
     const int64_t slots = std::clamp<int64_t>(
-        std::min(tune("ROPE_SLOTS", most), ceil_div(H, hps)), 1, most);
+        std::min(tune("ROPE_SLOTS", slots_for(rope_tokens * H * cph, most, wave_warps)),
+                 ceil_div(H, hps)),
+        1, most);
     p.rope_chunk_slots = static_cast<int32_t>(slots);
     p.rope_heads_per_item = static_cast<int32_t>(hps * slots);
   }
   p.rope_groups_per_token = H > 0 ? ceil_div(H, p.rope_heads_per_item) : 1;
-  if (has_decode || has_prefill) {
-    p.rope_token_begin = has_decode ? 0 : prefill_begin;
-    const int64_t rope_token_end = has_prefill ? T : decode_end;
-    p.num_rope_items =
-        half > 0 ? (rope_token_end - p.rope_token_begin) * p.rope_groups_per_token : 0;
-  }
+  p.num_rope_items = rope_tokens * p.rope_groups_per_token;
   if (has_decode && a.copy_nope && a.ql_nope != nullptr) {
     p.decode_copy =
         make_copy_list(a.ql_nope, a.stride_ql_nope_token, a.stride_ql_nope_head, a.q_out,
                        a.stride_q_out_token, a.stride_q_out_head, 0, decode_end, H, a.kv_lora_rank,
-                       elem_bytes);
+                       fp8_q_out ? stage_slots(elem_bytes)
+                                 : std::min(kItemSlotsHost, stage_slots(elem_bytes)),
+                       wave_warps);
   }
   if (has_prefill && a.q_prefill_out != nullptr) {
     p.prefill_copy = make_copy_list(a.q, a.stride_q_token, a.stride_q_head, a.q_prefill_out,
                                     a.stride_q_prefill_out_token, a.stride_q_prefill_out_head,
-                                    prefill_begin, T, H, a.nope_dim, elem_bytes);
+                                    prefill_begin, T, H, a.nope_dim,
+                                    std::min(kItemSlotsHost, stage_slots(elem_bytes)), wave_warps);
   }
   p.num_items =
       p.num_k_items + p.num_rope_items + p.decode_copy.num_items + p.prefill_copy.num_items;
@@ -216,7 +262,8 @@ void run(const core::MlaRopeCacheArgs& a, bool apply_rope, const Context& ctx) {
               "CUDA backend, got ", a.rope_dim);
   int32_t* error_counts = a.error_counts != nullptr ? a.error_counts : ctx.error_counts;
   const bool vec = vec_ok(a);
-  const MlaRopeCacheKernelParams p = make_params(a, apply_rope, vec, error_counts);
+  const MlaRopeCacheKernelParams p =
+      make_params(a, apply_rope, vec, error_counts, resident_warps());
   if (p.num_items <= 0) return;
   auto stream = static_cast<cudaStream_t>(ctx.stream);
   MLAKV_MODEL_DTYPE_SWITCH(a.model_dtype, "kv_c", T, [&] { dispatch_format<T>(p, vec, stream); });

@@ -17,23 +17,32 @@ namespace cuda {
 // RMSNorm row and weight (L <= 1024 floats + L model-dtype values), or up to kStageBytes of the rows
 // a rope or copy item moves, in flight at once without holding registers.
 constexpr int kStageBytes = 8192;
+// Warps of the kernel resident on one multiprocessor (6 blocks of 4 warps: the register cap of the
+// 16-bit vector instances, and 6 x 32 KB of shared memory).
+constexpr int kMlaResidentWarpsPerSm = 24;
 
 // One streaming-copy work list of the fused kernel: the nope part of rows (t, h), flat row index
-// t * H + h in [row_begin, row_end). Item i moves up to 32 * slots chunks (8 elements each) of
+// r = t * H + h in [row_begin, row_end). Item i moves up to 32 * slots chunks (8 elements each) of
 // whole rows (segments_per_row == 1: rows_per_item rows from row_begin + i * rows_per_item) or one
 // segment of a longer row (segments_per_row > 1: row row_begin + i / segments_per_row, chunks from
 // 32 * slots * (i % segments_per_row)). Lane l takes the item's chunks l, l + 32, ...: from one to
 // the next the chunk index in the row grows by chunk_step and the row by row_step, plus one when
-// the chunk index wraps (chunk_step = 32 % chunks_per_row, row_step = 32 / chunks_per_row).
+// the chunk index wraps (chunk_step = 32 % chunks_per_row, row_step = 32 / chunks_per_row), so the
+// element offsets grow by src_step / dst_step [wrapped] and, each time the row passes a token's
+// last, by the token jumps. Rows laid out evenly (stride_token = H * stride_head on both sides,
+// the usual [T, H, D] tensors) are one run: rows_per_token is then the whole list and the jumps 0.
 struct CopyList {
   const void* src = nullptr;  // [T, H, >= row_elems], model dtype
   int64_t stride_src_token = 0, stride_src_head = 0;
   void* dst = nullptr;  // [T, H, >= row_elems], model dtype or fp8 (decode q_out)
   int64_t stride_dst_token = 0, stride_dst_head = 0;
   int64_t row_begin = 0, row_end = 0;
-  int64_t row_elems = 0;  // L (decode) or P (prefill)
-  int32_t chunks_per_row = 0;  // ceil(row_elems / 8)
-  int32_t slots = 1;           // chunks a lane stages, <= kStageBytes / 32 / chunk bytes
+  int64_t row_elems = 0;        // L (decode) or P (prefill)
+  int64_t rows_per_token = 1;   // H, or more than row_end when the rows are one run
+  int64_t src_step[2] = {0, 0}, dst_step[2] = {0, 0};  // [chunk index wrapped]
+  int64_t src_token_jump = 0, dst_token_jump = 0;      // stride_token - H * stride_head
+  int32_t chunks_per_row = 0;   // ceil(row_elems / 8)
+  int32_t slots = 1;            // chunks a lane stages, <= kStageBytes / 32 / chunk bytes
   int32_t rows_per_item = 1;
   int32_t segments_per_row = 1;
   int32_t row_step = 0, chunk_step = 0;

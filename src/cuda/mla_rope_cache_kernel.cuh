@@ -436,9 +436,9 @@ __device__ __forceinline__ void stage_chunk(Chunk<T>* slot, const T* src, int n)
 }
 
 // Copy item i of list c (CopyList in mla_rope_cache.h: whole rows or one segment of a row) on the
-// decode rows (t < Td) or the prefill rows (t >= Td). Lane l stages the item's chunks l, l + 32,
-// ... (up to c.slots of them) into the warp's stage, all in flight together, then converts and
-// stores them.
+// decode rows (t < Td, i.e. r < Td * H) or the prefill rows. Lane l stages the item's chunks l,
+// l + 32, ... (up to c.slots of them) into the warp's stage, all in flight together, then
+// converts and stores them.
 template <typename T, typename Dst, bool kVec>
 __device__ __forceinline__ void copy_item(const CopyList& c, int64_t i, bool decode, int64_t td,
                                           int64_t H, float scale, int lane, Chunk<T>* stage) {
@@ -452,58 +452,64 @@ __device__ __forceinline__ void copy_item(const CopyList& c, int64_t i, bool dec
   const int64_t rows_left = c.row_end - r0;
   const int rows = static_cast<int>(rows_left < c.rows_per_item ? rows_left : c.rows_per_item);
   const int cpr = c.chunks_per_row;
-  const int64_t t0 = r0 / H;
-  const int64_t h0 = r0 - t0 * H;
+  const int64_t split = td * H;  // first prefill row
+  const int q = k0 + lane;
+  const int first_rl = q / cpr;
+  const int first_k = q - first_rl * cpr;
+  int64_t first_t, first_h;  // of row r0 + first_rl, in runs of rows_per_token rows
+  {
+    const int64_t r = r0 + first_rl;
+    first_t = r / c.rows_per_token;
+    first_h = r - first_t * c.rows_per_token;
+  }
 
-  // f(slot, src, dst, n) for each chunk this lane moves: chunk q = k0 + lane + 32 s of the item
-  // (row q / cpr, chunk q % cpr, found by steps from the first).
-  auto for_each_chunk = [&](auto&& f) {
-    const int q = k0 + lane;
-    int rl = q / cpr;
-    int k = q - rl * cpr;
-    int64_t t = t0;
-    int64_t h = h0 + rl;
-    while (h >= H) {
-      h -= H;
-      ++t;
-    }
+  // f(slot, element offset) for each chunk this lane moves: chunk q + 32 s of the item (row
+  // (q + 32 s) / cpr, chunk (q + 32 s) % cpr), the offsets stepped from the first.
+  auto for_each_chunk = [&](int64_t stride_token, int64_t stride_head, const int64_t(&step)[2],
+                            int64_t token_jump, auto&& f) {
+    int rl = first_rl;
+    int k = first_k;
+    int64_t h = first_h;
+    int64_t off = first_t * stride_token + first_h * stride_head + int64_t{k} * kChunkElems;
 #pragma unroll 4
     for (int s = 0; s < kStageSlots<T>; ++s) {
       if (s >= c.slots || rl >= rows) break;
-      if (decode ? t < td : t >= td) {
-        const int64_t e0 = static_cast<int64_t>(k) * kChunkElems;
-        const T* src =
-            static_cast<const T*>(c.src) + t * c.stride_src_token + h * c.stride_src_head + e0;
-        Dst* dst = static_cast<Dst*>(c.dst) + t * c.stride_dst_token + h * c.stride_dst_head + e0;
-        const int64_t left = c.row_elems - e0;
-        f(s, src, dst, left < kChunkElems ? static_cast<int>(left) : kChunkElems);
-      }
+      if (decode == (r0 + rl < split)) f(s, off, k);
       k += c.chunk_step;
-      int step = c.row_step;
-      if (k >= cpr) {
-        k -= cpr;
-        ++step;
-      }
-      rl += step;
-      h += step;
-      while (h >= H) {
-        h -= H;
-        ++t;
+      const bool wrapped = k >= cpr;
+      if (wrapped) k -= cpr;
+      const int dr = c.row_step + (wrapped ? 1 : 0);
+      rl += dr;
+      h += dr;
+      off += step[wrapped ? 1 : 0];
+      while (h >= c.rows_per_token) {
+        h -= c.rows_per_token;
+        off += token_jump;
       }
     }
   };
+  auto chunk_elems = [&](int k) {
+    const int64_t left = c.row_elems - int64_t{k} * kChunkElems;
+    return left < kChunkElems ? static_cast<int>(left) : kChunkElems;
+  };
 
-  for_each_chunk([&](int s, const T* src, Dst*, int n) {
-    stage_chunk<kVec>(stage + s * kWarpSize + lane, src, n);
-  });
+  const T* src = static_cast<const T*>(c.src);
+  for_each_chunk(c.stride_src_token, c.stride_src_head, c.src_step, c.src_token_jump,
+                 [&](int s, int64_t off, int k) {
+                   stage_chunk<kVec>(stage + s * kWarpSize + lane, src + off, chunk_elems(k));
+                 });
   if constexpr (kVec) {
     cp_async_commit();
     cp_async_wait_all();  // this lane's own chunks have landed
   }
   const Divisor div = make_divisor(scale);  // fp8 destinations only
-  for_each_chunk([&](int s, const T*, Dst* dst, int n) {
-    store_chunk<kVec>(dst, encode_chunk<Dst>(stage[s * kWarpSize + lane], div), n);
-  });
+  Dst* dst = static_cast<Dst*>(c.dst);
+  for_each_chunk(c.stride_dst_token, c.stride_dst_head, c.dst_step, c.dst_token_jump,
+                 [&](int s, int64_t off, int k) {
+                   store_chunk<kVec>(dst + off,
+                                     encode_chunk<Dst>(stage[s * kWarpSize + lane], div),
+                                     chunk_elems(k));
+                 });
 }
 
 }  // namespace mla_detail
