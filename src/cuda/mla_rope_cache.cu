@@ -2,8 +2,6 @@
 // primitives that run through the same kernel (concat_and_cache_mla, decode_q_concat).
 #include <algorithm>
 #include <atomic>
-#include <cstdlib>
-#include <string>
 #include <type_traits>
 
 #include "core/backend.h"
@@ -25,13 +23,6 @@ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 // Chunks a lane stages in the kernel's kStageBytes per warp (chunks of 8 model-dtype elements).
 int64_t stage_slots(int64_t elem_bytes) { return kStageBytes / (32 * 8 * elem_bytes); }
 
-// Tuning hook of the development runs: MLAKV_TUNE_<name> overrides `value` (deleted before landing).
-int64_t tune(const char* name, int64_t value) {
-  const std::string var = std::string("MLAKV_TUNE_") + name;
-  const char* env = std::getenv(var.c_str());
-  return env != nullptr ? std::atoll(env) : value;
-}
-
 // Warps of the fused kernel resident on the current device at once (kMlaResidentWarpsPerSm on each
 // multiprocessor), the multiprocessor count cached per device.
 int64_t resident_warps() {
@@ -48,11 +39,13 @@ int64_t resident_warps() {
 }
 
 // Slots per lane for a list of `chunks` chunks: items as large as the stage allows (`most`), but
-// small enough that the list fills a wave of resident warps first (a latency-bound launch is
-// fastest spread over every multiprocessor), in powers of two.
+// small enough that the list first fills half a wave of resident warps (a latency-bound launch is
+// fastest spread over every multiprocessor), in powers of two. Measured on the H200 (decode,
+// T = 1 .. 8192): items of 16 slots were up to 2x slower than 2-4 slots at T <= 128, and no
+// faster than 8 at T >= 2048.
 int64_t slots_for(int64_t chunks, int64_t most, int64_t wave_warps) {
   int64_t slots = 1;
-  while (slots * 2 <= most && chunks >= 32 * slots * 2 * wave_warps) slots *= 2;
+  while (slots * 2 <= most && chunks >= 32 * slots * 2 * (wave_warps / 2)) slots *= 2;
   return slots;
 }
 
@@ -75,9 +68,7 @@ CopyList make_copy_list(const void* src, int64_t stride_src_token, int64_t strid
   MLAKV_CHECK(cpr < (int64_t{1} << 30), "mla_rope_cache: rows of ", row_elems,
               " elements are too long for one launch");
   c.chunks_per_row = static_cast<int32_t>(cpr);
-  const int64_t slots = std::clamp<int64_t>(
-      tune("COPY_SLOTS", slots_for((c.row_end - c.row_begin) * cpr, most_slots, wave_warps)), 1,
-      most_slots);
+  const int64_t slots = slots_for((c.row_end - c.row_begin) * cpr, most_slots, wave_warps);
   const int64_t capacity = 32 * slots;  // chunks an item stages
   if (cpr <= capacity) {
     c.rows_per_item = static_cast<int32_t>(capacity / cpr);
@@ -143,8 +134,10 @@ MlaRopeCacheKernelParams make_params(const core::MlaRopeCacheArgs& a, bool apply
     // Whole slots of 32 / cph heads, no more slots than the heads need (H = 8: 2 of them).
     const int64_t hps = 32 / cph;
     const int64_t most = std::min(kItemSlotsHost, stage_slots(elem_bytes));
+    // A rope item also waits for its position and cos/sin row: counted as 4x the work of its
+    // bytes, and at least 2 slots (measured: 2-4 slots fastest at T <= 128, 8 at T >= 2048).
     const int64_t slots = std::clamp<int64_t>(
-        std::min(tune("ROPE_SLOTS", slots_for(rope_tokens * H * cph, most, wave_warps)),
+        std::min(std::max<int64_t>(2, slots_for(4 * rope_tokens * H * cph, most, wave_warps)),
                  ceil_div(H, hps)),
         1, most);
     p.rope_chunk_slots = static_cast<int32_t>(slots);
