@@ -4,8 +4,8 @@
 // class Row) and the layer's input norms (rmsnorm_quant / mla_rmsnorm_quant, class NormRow).
 #include <algorithm>
 #include <cmath>
-#include <cstdlib>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <memory>
@@ -211,9 +211,9 @@ void expect_same(const std::string& label, const char* what, const char* versus,
   }
 }
 
-// expect_same for buffers of 2-byte float codes (bf16 / fp16) that may differ by up to `codes` units
-// in the last place: the reference's RMSNorm sums its squares in another order than the library
-// (DESIGN.md: at most 1 ulp of the output dtype).
+// expect_same for buffers of 2-byte float codes (bf16 / fp16) that may differ by up to `codes`
+// units in the last place: the reference's RMSNorm sums its squares in another order than the
+// library (DESIGN.md: at most 1 ulp of the output dtype).
 void expect_close_codes16(const std::string& label, const char* what, const char* versus,
                           const std::vector<uint8_t>& got, const std::vector<uint8_t>& expected,
                           int64_t codes) {

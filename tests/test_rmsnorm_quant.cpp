@@ -726,6 +726,10 @@ TEST_P(RmsNormQuantTest, BadArgumentsWriteNothing) {
       {"input row stride not 16 B", "input", [](auto& p) { p.input.stride[0] = 1540; }},
       {"input rows overlap", "input", [](auto& p) { p.input.stride[0] = 8; }},
       {"input misaligned", "input", [&](auto& p) { offset_bytes(p.input, 2); }},
+      {"input cuda index -1", "input",
+       [](auto& p) {
+         p.input.device = {DeviceType::kCUDA, -1};
+       }},
       {"weight dtype", "weight", [](auto& p) { p.weight.dtype = DType::kFloat16; }},
       {"weight shape", "weight", [](auto& p) { p.weight.shape[0] = 1535; }},
       {"weight missing", "weight", [](auto& p) { p.weight = TensorView{}; }},
@@ -777,6 +781,13 @@ TEST_P(RmsNormQuantTest, BadArgumentsWriteNothing) {
     m.apply(v.p);
     expect_error([&] { rmsnorm_quant(v.p); }, m.arg, m.what);
     expect_nothing_written(v, m.what);
+  }
+  {
+    Valid v = valid_setup(dev);
+    Context ctx;
+    ctx.num_threads = -1;
+    expect_error([&] { rmsnorm_quant(v.p, ctx); }, "ctx.num_threads", "negative num_threads");
+    expect_nothing_written(v, "negative num_threads");
   }
 
   // N % G != 0 (N = 1552 = 97 * 16, G = 32).

@@ -73,6 +73,9 @@ class Validator {
       if (device_.type != DeviceType::kCPU && device_.type != DeviceType::kCUDA) {
         fail(arg, "expected a cpu or cuda device, got " + device_name(device_));
       }
+      if (device_.type == DeviceType::kCUDA && device_.index < 0) {
+        fail(arg, "expected a CUDA device index >= 0, got " + v.describe());
+      }
 #ifndef MLAKV_WITH_CUDA
       if (device_.type == DeviceType::kCUDA) {
         fail(arg, "expected a cpu tensor (mlakv was built without the CUDA backend), got " +
@@ -328,6 +331,12 @@ void check_overlaps(const char* op, const std::vector<Region>& inputs,
   }
 }
 
+// The Context fields these ops use (they count no errors: error_counts and checked are unused).
+void check_context(const char* op, const Context& ctx) {
+  MLAKV_CHECK(ctx.num_threads >= 0, op, ": ctx.num_threads: expected >= 0 (0 = all threads), got ",
+              ctx.num_threads);
+}
+
 void dispatch(const core::RmsNormQuantArgs& args, Device device, const Context& ctx) {
   bool any = false;
   for (int i = 0; i < args.num_tasks; ++i) any = any || args.tasks[i].num_tokens > 0;
@@ -358,6 +367,7 @@ void rmsnorm_quant(const RmsNormQuantParams& params, const Context& ctx) {
                 outputs, in_place_ok);
   args.model_dtype = params.input.dtype;
   check_overlaps(kOp, inputs, outputs, in_place_ok);
+  check_context(kOp, ctx);
   dispatch(args, v.device(), ctx);
 }
 
@@ -382,6 +392,7 @@ void mla_rmsnorm_quant(const MlaRmsNormQuantParams& params, const Context& ctx) 
                 nullptr, &params.kv.output, "output", nullptr, &args.model_dtype, vkv,
                 args.tasks[1], inputs, outputs, in_place_ok);
   check_overlaps(kOp, inputs, outputs, in_place_ok);
+  check_context(kOp, ctx);
   dispatch(args, vq.device(), ctx);
 }
 
@@ -396,6 +407,7 @@ void per_token_group_quant_fp8(const PerTokenGroupQuantParams& params, const Con
                 &params.quant, nullptr, v, args.tasks[0], inputs, outputs, in_place_ok);
   args.model_dtype = params.input.dtype;
   check_overlaps(kOp, inputs, outputs, in_place_ok);
+  check_context(kOp, ctx);
   dispatch(args, v.device(), ctx);
 }
 

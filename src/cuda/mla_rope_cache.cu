@@ -106,8 +106,8 @@ MlaRopeCacheKernelParams make_params(const core::MlaRopeCacheArgs& a, bool apply
   const int64_t T = a.num_tokens;
   const int64_t H = a.num_heads;
   const int64_t elem_bytes = static_cast<int64_t>(dtype_size(a.model_dtype));
-  const bool fp8_q_out = a.q_out != nullptr && a.q_out_dtype != a.model_dtype &&
-                         dtype_size(a.q_out_dtype) == 1;
+  const bool fp8_q_out =
+      a.q_out != nullptr && a.q_out_dtype != a.model_dtype && dtype_size(a.q_out_dtype) == 1;
   const bool device_td = a.num_decode_tokens_device != nullptr;
   const int64_t td = std::min<int64_t>(std::max<int64_t>(a.num_decode_tokens, 0), T);
   const int64_t decode_end = device_td ? T : td;
@@ -146,12 +146,11 @@ MlaRopeCacheKernelParams make_params(const core::MlaRopeCacheArgs& a, bool apply
   p.rope_groups_per_token = H > 0 ? ceil_div(H, p.rope_heads_per_item) : 1;
   p.num_rope_items = rope_tokens * p.rope_groups_per_token;
   if (has_decode && a.copy_nope && a.ql_nope != nullptr) {
-    p.decode_copy =
-        make_copy_list(a.ql_nope, a.stride_ql_nope_token, a.stride_ql_nope_head, a.q_out,
-                       a.stride_q_out_token, a.stride_q_out_head, 0, decode_end, H, a.kv_lora_rank,
-                       fp8_q_out ? stage_slots(elem_bytes)
-                                 : std::min(kItemSlotsHost, stage_slots(elem_bytes)),
-                       wave_warps);
+    p.decode_copy = make_copy_list(
+        a.ql_nope, a.stride_ql_nope_token, a.stride_ql_nope_head, a.q_out, a.stride_q_out_token,
+        a.stride_q_out_head, 0, decode_end, H, a.kv_lora_rank,
+        fp8_q_out ? stage_slots(elem_bytes) : std::min(kItemSlotsHost, stage_slots(elem_bytes)),
+        wave_warps);
   }
   if (has_prefill && a.q_prefill_out != nullptr) {
     p.prefill_copy = make_copy_list(a.q, a.stride_q_token, a.stride_q_head, a.q_prefill_out,

@@ -14,8 +14,8 @@ namespace mlakv {
 namespace cuda {
 
 // Shared memory each warp of the fused kernel stages its item's inputs in (cp.async): the K item's
-// RMSNorm row and weight (L <= 1024 floats + L model-dtype values), or up to kStageBytes of the rows
-// a rope or copy item moves, in flight at once without holding registers.
+// RMSNorm row and weight (L <= 1024 floats + L model-dtype values), or up to kStageBytes of the
+// rows a rope or copy item moves, in flight at once without holding registers.
 constexpr int kStageBytes = 8192;
 // Warps of the kernel resident on one multiprocessor (6 blocks of 4 warps: the register cap of the
 // 16-bit vector instances, and 6 x 32 KB of shared memory).
@@ -37,12 +37,12 @@ struct CopyList {
   void* dst = nullptr;  // [T, H, >= row_elems], model dtype or fp8 (decode q_out)
   int64_t stride_dst_token = 0, stride_dst_head = 0;
   int64_t row_begin = 0, row_end = 0;
-  int64_t row_elems = 0;        // L (decode) or P (prefill)
-  int64_t rows_per_token = 1;   // H, or more than row_end when the rows are one run
+  int64_t row_elems = 0;       // L (decode) or P (prefill)
+  int64_t rows_per_token = 1;  // H, or more than row_end when the rows are one run
   int64_t src_step[2] = {0, 0}, dst_step[2] = {0, 0};  // [chunk index wrapped]
   int64_t src_token_jump = 0, dst_token_jump = 0;      // stride_token - H * stride_head
-  int32_t chunks_per_row = 0;   // ceil(row_elems / 8)
-  int32_t slots = 1;            // chunks a lane stages, <= kStageBytes / 32 / chunk bytes
+  int32_t chunks_per_row = 0;                          // ceil(row_elems / 8)
+  int32_t slots = 1;  // chunks a lane stages, <= kStageBytes / 32 / chunk bytes
   int32_t rows_per_item = 1;
   int32_t segments_per_row = 1;
   int32_t row_step = 0, chunk_step = 0;
@@ -63,8 +63,8 @@ struct MlaRopeCacheKernelParams {
   int32_t rope_heads_per_item = 1;    // 8 / rope_pairs_per_lane
   int64_t num_rope_items = 0;
   // Rope items move whole 8-element chunks (GPT-J or no rotation, vector access, R / 8 divides
-  // 32): a lane stages rope_chunk_slots chunks, rope_heads_per_item = rope_chunk_slots * 32 / (R / 8)
-  // heads an item, and rope_pairs_per_lane is unused.
+  // 32): a lane stages rope_chunk_slots chunks, rope_heads_per_item = rope_chunk_slots * 32 / (R /
+  // 8) heads an item, and rope_pairs_per_lane is unused.
   bool rope_chunked = false;
   int32_t rope_chunk_slots = 0;
   CopyList decode_copy;   // ql_nope -> q_out nope part, rows t < Td

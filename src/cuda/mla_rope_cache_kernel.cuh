@@ -74,7 +74,7 @@ constexpr int kMaxLatent = 1024;  // DESIGN.md: L <= 1024
 constexpr int kMaxLatentChunksPerLane = kMaxLatent / kChunkElems / kWarpSize;  // 4
 constexpr int kMaxRopePairsPerLane = 256 / 2 / kWarpSize;                      // R <= 256: 4
 constexpr int kRopeSlots = 8;
-// Chunks of 8 model-dtype values a lane stages in its warp's kStageBytes (bf16 / fp16: 16, fp32: 8).
+// Chunks a lane stages in its warp's kStageBytes (bf16 / fp16: 16, fp32: 8).
 template <typename T>
 constexpr int kStageSlots = kStageBytes / kWarpSize / static_cast<int>(sizeof(Chunk<T>));
 static_assert(kStageBytes >= kMaxLatent * (sizeof(float) + sizeof(float)),
@@ -399,7 +399,8 @@ __device__ __forceinline__ void rope_item_chunked(const MlaRopeCacheKernelParams
     }
   }
   const Divisor q_div = make_divisor(q_scale);  // fp8 q_out only
-  cp_async_wait_all();  // this lane's own chunks have landed
+  // This lane's own chunks have landed after the wait.
+  cp_async_wait_all();
 #pragma unroll
   for (int s = 0; s < kStageSlots<T>; ++s) {
     if (s >= slots) break;
@@ -506,8 +507,7 @@ __device__ __forceinline__ void copy_item(const CopyList& c, int64_t i, bool dec
   Dst* dst = static_cast<Dst*>(c.dst);
   for_each_chunk(c.stride_dst_token, c.stride_dst_head, c.dst_step, c.dst_token_jump,
                  [&](int s, int64_t off, int k) {
-                   store_chunk<kVec>(dst + off,
-                                     encode_chunk<Dst>(stage[s * kWarpSize + lane], div),
+                   store_chunk<kVec>(dst + off, encode_chunk<Dst>(stage[s * kWarpSize + lane], div),
                                      chunk_elems(k));
                  });
 }
@@ -578,8 +578,7 @@ __global__ void __launch_bounds__(kMlaThreads, (kMlaMinBlocks<T, kFormat, QOut, 
     return;
   }
   i -= p.decode_copy.num_items;
-  mla_detail::copy_item<T, T, kVec>(p.prefill_copy, i, false, td, a.num_heads, 1.0f, lane,
-                                    stage);
+  mla_detail::copy_item<T, T, kVec>(p.prefill_copy, i, false, td, a.num_heads, 1.0f, lane, stage);
 }
 
 template <typename T, CacheFormat kFormat, typename QOut, bool kVec>
