@@ -270,6 +270,29 @@ void check_context(Validator& v, const Context& ctx) {
                   "checked mode needs ctx.error_counts, got nullptr");
 }
 
+// The decode query q_out [rows, H, L + R]: the model dtype (named by `model_from`) or float8.
+void check_q_out_dtype(Validator& v, const TensorView& q_out, DType model, const char* model_from) {
+  MLAKV_ARG_CHECK(v, is_model_dtype(q_out.dtype) ? q_out.dtype == model : is_float8(q_out.dtype),
+                  "q_out", "expected the model dtype ", dtype_name(model), " (from ", model_from,
+                  ") or float8_e4m3fn / float8_e5m2, got ", q_out.describe());
+}
+
+// An input an fp8 q_out is quantized from must not share its memory.
+void check_fp8_source(Validator& v, const char* name, const TensorView& source,
+                      const TensorView& q_out) {
+  MLAKV_ARG_CHECK(v, !overlap(source, q_out), name,
+                  "must not overlap an fp8 q_out (it is quantized from ", name, "), got ",
+                  source.describe(), " and q_out ", q_out.describe());
+}
+
+// q_scale: only with an fp8 q_out, one readable fp32.
+void check_q_scale(Validator& v, const float* q_scale, const TensorView& q_out) {
+  if (q_scale == nullptr) return;
+  MLAKV_ARG_CHECK(v, is_float8(q_out.dtype), "q_scale",
+                  "only an fp8 q_out takes a scale, got one with q_out ", q_out.describe());
+  v.scalar_ptr("q_scale", q_scale, "fp32 scale");
+}
+
 // positions / slot_mapping / slots: [>=n] int32 or int64.
 IndexArg index_tensor(Validator& v, const char* name, const TensorView& t, int64_t n,
                       const char* what) {
@@ -392,10 +415,7 @@ MlaRopeCacheArgs validate_mla_rope_cache(const char* op, const MlaRopeCacheParam
   int64_t H = 0;
   if (p.q_out.present()) {
     v.tensor("q_out", p.q_out, 3, "[Td, H, L + R]");
-    MLAKV_ARG_CHECK(
-        v, is_model_dtype(p.q_out.dtype) ? p.q_out.dtype == model : is_float8(p.q_out.dtype),
-        "q_out", "expected the model dtype ", dtype_name(model),
-        " (from kv_c) or float8_e4m3fn / float8_e5m2, got ", p.q_out.describe());
+    check_q_out_dtype(v, p.q_out, model, "kv_c");
     v.rows("q_out", p.q_out, decode_rows, decode_rows_name);
     v.dim("q_out", p.q_out, 2, L + R, "L + R");
     H = p.q_out.shape[1];
@@ -411,9 +431,7 @@ MlaRopeCacheArgs validate_mla_rope_cache(const char* op, const MlaRopeCacheParam
 
     const bool fp8_out = is_float8(p.q_out.dtype);
     // A model-dtype q_out may hold q_pe in its rope part (rotated in place); an fp8 one may not.
-    MLAKV_ARG_CHECK(v, !fp8_out || !overlap(p.q_pe, p.q_out), "q_pe",
-                    "must not overlap an fp8 q_out (it is quantized from q_pe), got ",
-                    p.q_pe.describe(), " and q_out ", p.q_out.describe());
+    if (fp8_out) check_fp8_source(v, "q_pe", p.q_pe, p.q_out);
     bool copy_nope = false;
     if (p.ql_nope.present()) {
       v.tensor("ql_nope", p.ql_nope, 3, "[Td, H, L]");
@@ -422,9 +440,7 @@ MlaRopeCacheArgs validate_mla_rope_cache(const char* op, const MlaRopeCacheParam
       v.dim("ql_nope", p.ql_nope, 1, H, "H (from q_out)");
       v.dim("ql_nope", p.ql_nope, 2, L, "L");
       if (fp8_out) {
-        MLAKV_ARG_CHECK(v, !overlap(p.ql_nope, p.q_out), "ql_nope",
-                        "must not overlap an fp8 q_out (it is quantized from ql_nope), got ",
-                        p.ql_nope.describe(), " and q_out ", p.q_out.describe());
+        check_fp8_source(v, "ql_nope", p.ql_nope, p.q_out);
         copy_nope = true;
       } else {
         copy_nope = !exact_alias(v, "ql_nope", p.ql_nope, "q_out's nope part", p.q_out);
@@ -433,11 +449,7 @@ MlaRopeCacheArgs validate_mla_rope_cache(const char* op, const MlaRopeCacheParam
       MLAKV_ARG_CHECK(v, !fp8_out, "ql_nope",
                       "expected 3 dims [Td, H, L] (required with an fp8 q_out), ", "got absent");
     }
-    if (p.q_scale != nullptr) {
-      MLAKV_ARG_CHECK(v, fp8_out, "q_scale", "only an fp8 q_out takes a scale, got one with q_out ",
-                      p.q_out.describe());
-      v.scalar_ptr("q_scale", p.q_scale, "fp32 scale");
-    }
+    check_q_scale(v, p.q_scale, p.q_out);
 
     a.q_pe = p.q_pe.data;
     a.stride_q_pe_token = p.q_pe.stride[0];
@@ -627,29 +639,18 @@ DecodeQConcatArgs validate_decode_q_concat(const char* op, const DecodeQConcatPa
   v.rope_dim("q_pe", R, [&] { return p.q_pe.describe(); });
 
   v.tensor("q_out", p.q_out, 3, "[T, H, L + R]");
-  MLAKV_ARG_CHECK(v,
-                  is_model_dtype(p.q_out.dtype) ? p.q_out.dtype == model : is_float8(p.q_out.dtype),
-                  "q_out", "expected the model dtype ", dtype_name(model),
-                  " (from ql_nope) or float8_e4m3fn / float8_e5m2, got ", p.q_out.describe());
+  check_q_out_dtype(v, p.q_out, model, "ql_nope");
   v.rows("q_out", p.q_out, T, "T");
   v.dim("q_out", p.q_out, 1, H, "H (from ql_nope)");
   v.dim("q_out", p.q_out, 2, L + R, "L + R");
   const bool fp8_out = is_float8(p.q_out.dtype);
   if (fp8_out) {
-    MLAKV_ARG_CHECK(v, !overlap(p.ql_nope, p.q_out), "ql_nope",
-                    "must not overlap an fp8 q_out (it is quantized from ql_nope), got ",
-                    p.ql_nope.describe(), " and q_out ", p.q_out.describe());
-    MLAKV_ARG_CHECK(v, !overlap(p.q_pe, p.q_out), "q_pe",
-                    "must not overlap an fp8 q_out (it is quantized from q_pe), got ",
-                    p.q_pe.describe(), " and q_out ", p.q_out.describe());
+    check_fp8_source(v, "ql_nope", p.ql_nope, p.q_out);
+    check_fp8_source(v, "q_pe", p.q_pe, p.q_out);
   } else {
     exact_alias(v, "ql_nope", p.ql_nope, "q_out's nope part", p.q_out);
   }
-  if (p.q_scale != nullptr) {
-    MLAKV_ARG_CHECK(v, fp8_out, "q_scale", "only an fp8 q_out takes a scale, got one with q_out ",
-                    p.q_out.describe());
-    v.scalar_ptr("q_scale", p.q_scale, "fp32 scale");
-  }
+  check_q_scale(v, p.q_scale, p.q_out);
   check_context(v, ctx);
 
   DecodeQConcatArgs a;
