@@ -4,8 +4,9 @@
 //
 // Device selection: the core passes only a Context, so every launcher runs on the caller's current
 // device, as PyTorch extensions do; the caller (the torch binding, an engine) makes the tensors'
-// device current before calling an op. Launch sizes depend only on the work (one item per warp),
-// never on device properties, so no launcher queries the device.
+// device current before calling an op. Launch sizes depend on the work (one item per warp); the
+// fused kernel's item size also on the current device's multiprocessor count (read once per
+// device and cached, mla_rope_cache.cu), the one device property a launcher reads.
 #pragma once
 
 #include <cuda_runtime.h>
