@@ -147,6 +147,22 @@ std::vector<FusedSpec> q_side_specs() {
     s.cache.scale = 0.037f;
     add(s, "qout_e4m3_and_cache_saturating");
   }
+  // An fp8 q_out's rope part is rotated and quantized in one pass on the CPU: every model dtype,
+  // both pair styles, and rope widths with a fixed-length loop (64, 32) and without (16, in
+  // work_split_specs).
+  for (const ModelShape& shape : {kDeepSeekV3Tp8, kMiniCpm3}) {
+    for (DType model : {DType::kBFloat16, DType::kFloat16, DType::kFloat32}) {
+      for (RopeStyle style : {RopeStyle::kGptJ, RopeStyle::kNeox}) {
+        FusedSpec s = base(shape, kFormats[0], 33, 13);
+        s.model = model;
+        s.style = style;
+        s.q_out_dtype = model == DType::kFloat16 ? DType::kFloat8E5M2 : DType::kFloat8E4M3;
+        s.q_scale = 0.05f;
+        add(s, std::string("qout_fp8_") + dtype_name(model) +
+                   (style == RopeStyle::kNeox ? "_neox" : "_gptj"));
+      }
+    }
+  }
   {
     FusedSpec s = b;
     s.nope = Nope::kAbsent;

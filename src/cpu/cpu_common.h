@@ -380,14 +380,17 @@ inline void prefetch_cos_sin(const core::RopeTableArg& rope, int64_t pos, int64_
 // a copy of src. One loop per pair style with both values of a pair in registers: GCC vectorizes
 // it (GPT-J with an in-lane swap) without the round trip through stack arrays that a separate
 // partner array cost (it halved the rope time of a head).
-template <typename T, int64_t kR>
-inline void rope_row_impl(const T* src, T* dst, const CosSin& cs, int64_t runtime_R) {
+template <typename T, typename D, int64_t kR, typename Encode>
+inline void rope_row_impl(const T* src, D* dst, const CosSin& cs, int64_t runtime_R,
+                          const Encode& encode) {
   const int64_t R = kR > 0 ? kR : runtime_R;
   const int64_t half = R / 2;
   alignas(64) T src_copy[kMaxRope];
-  if (src != dst && ranges_overlap(src, dst, R * static_cast<int64_t>(sizeof(T)))) {
-    std::memcpy(src_copy, src, static_cast<size_t>(R) * sizeof(T));
-    src = src_copy;
+  if constexpr (std::is_same_v<T, D>) {
+    if (src != dst && ranges_overlap(src, dst, R * static_cast<int64_t>(sizeof(T)))) {
+      std::memcpy(src_copy, src, static_cast<size_t>(R) * sizeof(T));
+      src = src_copy;
+    }
   }
   const float* c = cs.cos_at;
   const float* s = cs.sin_at;
@@ -395,36 +398,56 @@ inline void rope_row_impl(const T* src, T* dst, const CosSin& cs, int64_t runtim
     for (int64_t i = 0; i < half; ++i) {
       const float x = num::to_float(src[i]);
       const float y = num::to_float(src[half + i]);
-      dst[i] = num::from_float<T>(num::fma_rn(x, c[i], num::mul_rn(y, s[i])));
-      dst[half + i] = num::from_float<T>(num::fma_rn(y, c[half + i], num::mul_rn(x, s[half + i])));
+      dst[i] = encode(num::fma_rn(x, c[i], num::mul_rn(y, s[i])));
+      dst[half + i] = encode(num::fma_rn(y, c[half + i], num::mul_rn(x, s[half + i])));
     }
   } else {
     for (int64_t j = 0; j < R; j += 2) {
       const float x = num::to_float(src[j]);
       const float y = num::to_float(src[j + 1]);
-      dst[j] = num::from_float<T>(num::fma_rn(x, c[j], num::mul_rn(y, s[j])));
-      dst[j + 1] = num::from_float<T>(num::fma_rn(y, c[j + 1], num::mul_rn(x, s[j + 1])));
+      dst[j] = encode(num::fma_rn(x, c[j], num::mul_rn(y, s[j])));
+      dst[j + 1] = encode(num::fma_rn(y, c[j + 1], num::mul_rn(x, s[j + 1])));
     }
   }
 }
 
 // The common rope widths get fixed-length loops (fully unrolled vector code).
-template <typename T>
-inline void rope_row(const T* src, T* dst, const CosSin& cs, int64_t R) {
+template <typename T, typename D, typename Encode>
+inline void rope_row_widths(const T* src, D* dst, const CosSin& cs, int64_t R,
+                            const Encode& encode) {
   switch (R) {
     case 64:
-      rope_row_impl<T, 64>(src, dst, cs, R);
+      rope_row_impl<T, D, 64>(src, dst, cs, R, encode);
       return;
     case 32:
-      rope_row_impl<T, 32>(src, dst, cs, R);
+      rope_row_impl<T, D, 32>(src, dst, cs, R, encode);
       return;
     case 128:
-      rope_row_impl<T, 128>(src, dst, cs, R);
+      rope_row_impl<T, D, 128>(src, dst, cs, R, encode);
       return;
     default:
-      rope_row_impl<T, 0>(src, dst, cs, R);
+      rope_row_impl<T, D, 0>(src, dst, cs, R, encode);
       return;
   }
+}
+
+// dst = RoPE(src) rounded to T; dst may be src itself.
+template <typename T>
+inline void rope_row(const T* src, T* dst, const CosSin& cs, int64_t R) {
+  rope_row_widths(src, dst, cs, R, [](float v) { return num::from_float<T>(v); });
+}
+
+// dst = quantize(RoPE(src) rounded to T, scale): the bytes of rope_row into a row of T followed by
+// quantize_row from it, in one pass with the rotated values in registers. Going through a stack
+// row cost the fp8 decode op 7-9 % on the development machine (one thread, inputs in cache): the
+// row was read back right after its vector stores. src and dst do not overlap (the fp8 q_out is
+// checked against q_pe). flatten: without it GCC 12 stopped inlining num::to_float in the decode
+// item's copy of the loop and left it scalar (ten times slower).
+template <typename F, typename T>
+__attribute__((flatten)) inline void rope_quantize_row(const T* __restrict src, F* __restrict dst,
+                                                       const CosSin& cs, int64_t R, float scale) {
+  rope_row_widths(src, dst, cs, R,
+                  [scale](float v) { return num::quantize<F>(num::round_to<T>(v), scale); });
 }
 
 // fp32 sum of squares in 16 interleaved partial sums (lane k takes elements i = k mod 16), then a

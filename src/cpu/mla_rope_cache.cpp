@@ -121,10 +121,10 @@ void decode_q_item(const MlaRopeCacheArgs& a, int64_t t, int64_t h0, int64_t h1)
     const T* ql_nope = copy_nope ? static_cast<const T*>(a.ql_nope) + t * a.stride_ql_nope_token +
                                        h * a.stride_ql_nope_head
                                  : nullptr;
-    alignas(64) T rope_buf[detail::kMaxRope];
     if constexpr (kStream) {
       static_assert(std::is_same_v<T, QOut>, "streaming stores copy model-dtype rows");
       constexpr int64_t kElem = sizeof(T);
+      alignas(64) T rope_buf[detail::kMaxRope];
       if (copy_nope) detail::stream_bytes(ql_nope, out, L * kElem);
       detail::rope_row(q_pe, rope_buf, cs, R);
       detail::stream_bytes(rope_buf, out + L, R * kElem);
@@ -133,8 +133,7 @@ void decode_q_item(const MlaRopeCacheArgs& a, int64_t t, int64_t h0, int64_t h1)
       if constexpr (std::is_same_v<T, QOut>) {
         detail::rope_row(q_pe, out + L, cs, R);
       } else {
-        detail::rope_row(q_pe, rope_buf, cs, R);
-        detail::store_row(rope_buf, out + L, R, q_scale);
+        detail::rope_quantize_row(q_pe, out + L, cs, R, q_scale);
       }
     }
   }
