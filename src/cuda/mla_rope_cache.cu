@@ -108,6 +108,7 @@ MlaRopeCacheKernelParams make_params(const core::MlaRopeCacheArgs& a, bool apply
   const int64_t elem_bytes = static_cast<int64_t>(dtype_size(a.model_dtype));
   const bool fp8_q_out =
       a.q_out != nullptr && a.q_out_dtype != a.model_dtype && dtype_size(a.q_out_dtype) == 1;
+  const int64_t item_slots = std::min(kItemSlotsHost, stage_slots(elem_bytes));
   const bool device_td = a.num_decode_tokens_device != nullptr;
   const int64_t td = std::min<int64_t>(std::max<int64_t>(a.num_decode_tokens, 0), T);
   const int64_t decode_end = device_td ? T : td;
@@ -133,30 +134,27 @@ MlaRopeCacheKernelParams make_params(const core::MlaRopeCacheArgs& a, bool apply
   if (p.rope_chunked) {
     // Whole slots of 32 / cph heads, no more slots than the heads need (H = 8: 2 of them).
     const int64_t hps = 32 / cph;
-    const int64_t most = std::min(kItemSlotsHost, stage_slots(elem_bytes));
     // A rope item also waits for its position and cos/sin row: counted as 4x the work of its
     // bytes, and at least 2 slots (measured: 2-4 slots fastest at T <= 128, 8 at T >= 2048).
     const int64_t slots = std::clamp<int64_t>(
-        std::min(std::max<int64_t>(2, slots_for(4 * rope_tokens * H * cph, most, wave_warps)),
+        std::min(std::max<int64_t>(2, slots_for(4 * rope_tokens * H * cph, item_slots, wave_warps)),
                  ceil_div(H, hps)),
-        1, most);
+        1, item_slots);
     p.rope_chunk_slots = static_cast<int32_t>(slots);
     p.rope_heads_per_item = static_cast<int32_t>(hps * slots);
   }
   p.rope_groups_per_token = H > 0 ? ceil_div(H, p.rope_heads_per_item) : 1;
   p.num_rope_items = rope_tokens * p.rope_groups_per_token;
   if (has_decode && a.copy_nope && a.ql_nope != nullptr) {
-    p.decode_copy = make_copy_list(
-        a.ql_nope, a.stride_ql_nope_token, a.stride_ql_nope_head, a.q_out, a.stride_q_out_token,
-        a.stride_q_out_head, 0, decode_end, H, a.kv_lora_rank,
-        fp8_q_out ? stage_slots(elem_bytes) : std::min(kItemSlotsHost, stage_slots(elem_bytes)),
-        wave_warps);
+    p.decode_copy =
+        make_copy_list(a.ql_nope, a.stride_ql_nope_token, a.stride_ql_nope_head, a.q_out,
+                       a.stride_q_out_token, a.stride_q_out_head, 0, decode_end, H, a.kv_lora_rank,
+                       fp8_q_out ? stage_slots(elem_bytes) : item_slots, wave_warps);
   }
   if (has_prefill && a.q_prefill_out != nullptr) {
     p.prefill_copy = make_copy_list(a.q, a.stride_q_token, a.stride_q_head, a.q_prefill_out,
                                     a.stride_q_prefill_out_token, a.stride_q_prefill_out_head,
-                                    prefill_begin, T, H, a.nope_dim,
-                                    std::min(kItemSlotsHost, stage_slots(elem_bytes)), wave_warps);
+                                    prefill_begin, T, H, a.nope_dim, item_slots, wave_warps);
   }
   p.num_items =
       p.num_k_items + p.num_rope_items + p.decode_copy.num_items + p.prefill_copy.num_items;

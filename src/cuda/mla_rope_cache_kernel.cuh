@@ -77,7 +77,9 @@ constexpr int kRopeSlots = 8;
 // Chunks a lane stages in its warp's kStageBytes (bf16 / fp16: 16, fp32: 8).
 template <typename T>
 constexpr int kStageSlots = kStageBytes / kWarpSize / static_cast<int>(sizeof(Chunk<T>));
-static_assert(kStageBytes >= kMaxLatent * (sizeof(float) + sizeof(float)),
+// The K item's RMSNorm row (kMaxLatent floats) and weight (kMaxLatent values, fp32 at the widest).
+constexpr int kStageWeightOffset = kMaxLatent * static_cast<int>(sizeof(float));
+static_assert(kStageBytes >= kStageWeightOffset + kMaxLatent * static_cast<int>(sizeof(float)),
               "the K item's RMSNorm row and weight fit in the stage");
 
 namespace mla_detail {
@@ -519,6 +521,10 @@ __device__ __forceinline__ void copy_item(const CopyList& c, int64_t i, bool dec
 // ones (fp8x2_from_float); the element-wise path and fp32 models take what they need.
 template <typename T, CacheFormat kFormat, typename QOut, bool kVec>
 constexpr int kMlaMinBlocks = kVec && sizeof(T) == 2 ? 6 : 1;
+// The launcher's item sizes assume this residency (mla_rope_cache.h).
+static_assert(kMlaMinBlocks<num::Bf16, CacheFormat::kBFloat16, num::Bf16, true> * kMlaWarps ==
+                  kMlaResidentWarpsPerSm,
+              "kMlaResidentWarpsPerSm: the resident warps of the 16-bit vector instances");
 
 template <typename T, CacheFormat kFormat, typename QOut, bool kVec>
 __global__ void __launch_bounds__(kMlaThreads, (kMlaMinBlocks<T, kFormat, QOut, kVec>))
@@ -556,7 +562,7 @@ __global__ void __launch_bounds__(kMlaThreads, (kMlaMinBlocks<T, kFormat, QOut, 
   Chunk<T>* const stage = reinterpret_cast<Chunk<T>*>(my_stage);
   if (i < p.num_k_items) {
     mla_detail::k_side_item<T, kFormat, kVec>(p, i, lane, reinterpret_cast<float*>(my_stage),
-                                              reinterpret_cast<T*>(my_stage + kMaxLatent * 4),
+                                              reinterpret_cast<T*>(my_stage + kStageWeightOffset),
                                               cache_scale);
     return;
   }
