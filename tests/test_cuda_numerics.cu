@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <iterator>
 #include <random>
 #include <vector>
 
@@ -216,12 +217,14 @@ void check_fp8_conversion(const char* what) {
 }
 
 // Random bf16 chunks, some with a special value (0, -0, NaN, +-inf, a subnormal, 2^+-61, a huge
-// value) at a random place, so that both encode_chunk paths run; every byte against the host's
-// num::quantize, for scales inside and outside the fast range.
+// value, the fast range's bounds 2^+-60 and their bf16 neighbours outside it) at a random place, so
+// that both encode_chunk paths run and its range test is probed at its edges; every byte against
+// the host's num::quantize, for scales inside and outside the fast range.
 template <typename Fp8>
 void check_encode_chunk(const char* what) {
-  const float specials[] = {0.0f,   -0.0f,   std::nanf(""), INFINITY, -INFINITY,
-                            1e-39f, 0x1p61f, -0x1p-61f,     3e38f,    0x1p-60f};
+  const float specials[] = {0.0f,      -0.0f,      std::nanf(""), INFINITY,   -INFINITY, 1e-39f,
+                            0x1p61f,   -0x1p-61f,  3e38f,         0x1p-60f,   0x1p60f,   -0x1p60f,
+                            -0x1p-60f, 0x1.02p60f, -0x1.02p60f,   0x1.fcp-61f};
   const int64_t chunks = 1 << 16;
   std::mt19937 rng(11);
   std::normal_distribution<float> normal(0.0f, 3.0f);
@@ -229,8 +232,10 @@ void check_encode_chunk(const char* what) {
   std::vector<num::Bf16> x(static_cast<size_t>(chunks) * 8);
   for (int64_t c = 0; c < chunks; ++c) {
     for (int e = 0; e < 8; ++e) x[c * 8 + e] = num::from_float<num::Bf16>(normal(rng));
-    const int k = pick(rng);  // a special value in about a third of the chunks
-    if (k < 10) x[c * 8 + (pick(rng) % 8)] = num::from_float<num::Bf16>(specials[k]);
+    const int k = pick(rng);  // a special value in about half of the chunks
+    if (k < static_cast<int>(std::size(specials))) {
+      x[c * 8 + (pick(rng) % 8)] = num::from_float<num::Bf16>(specials[k]);
+    }
   }
   DeviceArray<num::Bf16> dx(x.size());
   DeviceArray<uint8_t> dout(x.size());

@@ -189,39 +189,96 @@ __device__ __forceinline__ Chunk<Dst> encode_chunk_each(const Chunk<T>& m, const
   return out;
 }
 
-// Every element of a chunk through __fdiv_rn and the full conversion (zeros, subnormals, inf,
-// NaN, extreme scales): out of line, so that the common path stays short.
-template <typename Dst, typename T>
-__device__ __noinline__ Chunk<Dst> encode_chunk_exact(const Chunk<T> m, const float scale) {
-  Divisor exact;  // fast = false: divide() is __fdiv_rn for every element
-  exact.b = scale;
-  return encode_chunk_each<Dst>(m, exact);
-}
-
 // The fp8 forms are num::quantize's cvt(x / scale). When every element and the scale are in the
 // divisor's fast range (the common case), the quotients are finite and need neither NaN handling
 // nor a clamp (satfinite saturates): divide_fast and the bare conversion, two at a time, and one
-// branch for the chunk; otherwise encode_chunk_exact.
+// branch for the chunk; otherwise encode_chunk_exact_words.
 // (bf16 models only: an fp16 chunk's conversions need more registers, and the fused kernel's
 // fp16 instances then spill under their 80-register cap; they keep encode_chunk_each.)
+//
+// The bf16 form works on the chunk's four packed words: the range test is the same predicate as
+// div_fast_range on every element (bf16 holds 2^-60 and 2^60 exactly, and |x| orders like the
+// 15-bit magnitude field), taken over the chunk as one max and one min of magnitudes (bf16x2
+// max/min with .NaN: a NaN element makes the max NaN, which fails the test); the elements are
+// formed from the words directly (bits << 16, bits & 0xffff0000: the bits of num::to_float); the
+// fp8 bytes are packed into two words, so the fast and exact paths meet on two registers.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+__device__ __forceinline__ uint32_t bf16x2_absmax_nan(uint32_t a, uint32_t b) {
+  uint32_t r;
+  asm("max.NaN.xorsign.abs.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+  return r;  // halves: max(|a|, |b|) (NaN if either is), sign bits meaningless
+}
+__device__ __forceinline__ uint32_t bf16x2_absmin_nan(uint32_t a, uint32_t b) {
+  uint32_t r;
+  asm("min.NaN.xorsign.abs.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+  return r;
+}
+// Four floats to four e4m3 / e5m2 bytes (byte e = value e), bare satfinite conversion.
+template <typename Fp8>
+__device__ __forceinline__ uint32_t cvt_fp8x4_satfinite(float v0, float v1, float v2, float v3) {
+  uint32_t w;
+  if constexpr (std::is_same_v<Fp8, num::Fp8E4M3>) {
+    asm("{\n\t.reg .b16 lo, hi;\n\t"
+        "cvt.rn.satfinite.e4m3x2.f32 lo, %2, %1;\n\t"
+        "cvt.rn.satfinite.e4m3x2.f32 hi, %4, %3;\n\t"
+        "mov.b32 %0, {lo, hi};\n\t}"
+        : "=r"(w)
+        : "f"(v0), "f"(v1), "f"(v2), "f"(v3));
+  } else {
+    asm("{\n\t.reg .b16 lo, hi;\n\t"
+        "cvt.rn.satfinite.e5m2x2.f32 lo, %2, %1;\n\t"
+        "cvt.rn.satfinite.e5m2x2.f32 hi, %4, %3;\n\t"
+        "mov.b32 %0, {lo, hi};\n\t}"
+        : "=r"(w)
+        : "f"(v0), "f"(v1), "f"(v2), "f"(v3));
+  }
+  return w;
+}
+#endif
+
+// Every element of a chunk through __fdiv_rn and the full conversion (zeros, subnormals, inf,
+// NaN, extreme scales), as the two words of an fp8 chunk: out of line, so that the common path
+// stays short.
+template <typename Dst, typename T>
+__device__ __noinline__ uint2 encode_chunk_exact_words(const Chunk<T> m, const float scale) {
+  detail::ChunkBits<Dst> u;
+  Divisor exact;  // fast = false: divide() is __fdiv_rn for every element
+  exact.b = scale;
+  u.c = encode_chunk_each<Dst>(m, exact);
+  return u.w[0];
+}
+
 template <typename Dst, typename T>
 __device__ __forceinline__ Chunk<Dst> encode_chunk(const Chunk<T>& m, const Divisor& scale) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
   if constexpr (kIsFp8<Dst> && std::is_same_v<T, num::Bf16>) {
     static_assert(sizeof(Chunk<Dst>) == sizeof(uint2), "fp8 chunk: 8 bytes");
-    bool fast = scale.fast;
-    uint32_t words[2] = {0u, 0u};  // element e in byte e % 4 of word e / 4
+    detail::ChunkBits<T> in;
+    in.c = m;
+    const uint4 w = in.w[0];
+    // Magnitude range of the chunk: every |x| in [2^-60, 2^60] (bf16 0x2180 .. 0x5d80), no NaN.
+    const uint32_t mx =
+        bf16x2_absmax_nan(bf16x2_absmax_nan(w.x, w.y), bf16x2_absmax_nan(w.z, w.w)) & 0x7fff7fffu;
+    const uint32_t mn =
+        bf16x2_absmin_nan(bf16x2_absmin_nan(w.x, w.y), bf16x2_absmin_nan(w.z, w.w)) & 0x7fff7fffu;
+    // Bit 15 of each half: (mx + 0x227f) set iff mx > 0x5d80; (mn + 0x5e80) clear iff mn < 0x2180.
+    const uint32_t bad = ((mx + 0x227f227fu) | ~(mn + 0x5e805e80u)) & 0x80008000u;
+    uint2 out;  // the two words of the fp8 chunk
+    if (!(scale.fast && bad == 0u)) {
+      out = encode_chunk_exact_words<Dst>(m, scale.b);
+    } else {
+      const uint32_t words[4] = {w.x, w.y, w.z, w.w};
+      float q[kChunkElems];
 #pragma unroll
-    for (int e = 0; e < kChunkElems; e += 2) {
-      const float a0 = num::to_float(m.v[e]);
-      const float a1 = num::to_float(m.v[e + 1]);
-      fast = fast & div_fast_range(a0) & div_fast_range(a1);
-      const uint16_t w = cvt_fp8x2_satfinite<Dst>(divide_fast(a0, scale), divide_fast(a1, scale));
-      words[e / 4] |= static_cast<uint32_t>(w) << (8 * (e % 4));
+      for (int i = 0; i < 4; ++i) {
+        q[2 * i] = divide_fast(__uint_as_float(words[i] << 16), scale);
+        q[2 * i + 1] = divide_fast(__uint_as_float(words[i] & 0xffff0000u), scale);
+      }
+      out = make_uint2(cvt_fp8x4_satfinite<Dst>(q[0], q[1], q[2], q[3]),
+                       cvt_fp8x4_satfinite<Dst>(q[4], q[5], q[6], q[7]));
     }
-    if (!fast) return encode_chunk_exact<Dst>(m, scale.b);
     detail::ChunkBits<Dst> u;
-    u.w[0] = make_uint2(words[0], words[1]);
+    u.w[0] = out;
     return u.c;
   } else {
     return encode_chunk_each<Dst>(m, scale);

@@ -58,6 +58,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "common/numerics.h"
 #include "cuda/cuda_utils.h"
@@ -468,50 +469,66 @@ __device__ __forceinline__ void copy_item(const CopyList& c, int64_t i, bool dec
 
   // f(slot, element offset) for each chunk this lane moves: chunk q + 32 s of the item (row
   // (q + 32 s) / cpr, chunk (q + 32 s) % cpr), the offsets stepped from the first.
-  auto for_each_chunk = [&](int64_t stride_token, int64_t stride_head, const int64_t(&step)[2],
-                            int64_t token_jump, auto&& f) {
-    int rl = first_rl;
-    int k = first_k;
-    int64_t h = first_h;
-    int64_t off = first_t * stride_token + first_h * stride_head + int64_t{k} * kChunkElems;
+  // An item whose rows are all on its side (always so with a host Td) and whose lists need no
+  // token jumps (rows laid out as one run: token_jump == 0, so the h loop below only changes h)
+  // runs the same loop without the side test and the h bookkeeping: the same chunks and offsets.
+  const bool simple =
+      c.src_token_jump == 0 && c.dst_token_jump == 0 && (decode ? r0 + rows <= split : r0 >= split);
+  auto run = [&](auto simple_tag) {
+    constexpr bool kSimple = decltype(simple_tag)::value;
+    auto for_each_chunk = [&](int64_t stride_token, int64_t stride_head, const int64_t(&step)[2],
+                              int64_t token_jump, auto&& f) {
+      int rl = first_rl;
+      int k = first_k;
+      [[maybe_unused]] int64_t h = first_h;
+      int64_t off = first_t * stride_token + first_h * stride_head + int64_t{k} * kChunkElems;
 #pragma unroll 4
-    for (int s = 0; s < kStageSlots<T>; ++s) {
-      if (s >= c.slots || rl >= rows) break;
-      if (decode == (r0 + rl < split)) f(s, off, k);
-      k += c.chunk_step;
-      const bool wrapped = k >= cpr;
-      if (wrapped) k -= cpr;
-      const int dr = c.row_step + (wrapped ? 1 : 0);
-      rl += dr;
-      h += dr;
-      off += step[wrapped ? 1 : 0];
-      while (h >= c.rows_per_token) {
-        h -= c.rows_per_token;
-        off += token_jump;
+      for (int s = 0; s < kStageSlots<T>; ++s) {
+        if (s >= c.slots || rl >= rows) break;
+        if (kSimple || decode == (r0 + rl < split)) f(s, off, k);
+        k += c.chunk_step;
+        const bool wrapped = k >= cpr;
+        if (wrapped) k -= cpr;
+        const int dr = c.row_step + (wrapped ? 1 : 0);
+        rl += dr;
+        off += step[wrapped ? 1 : 0];
+        if constexpr (!kSimple) {
+          h += dr;
+          while (h >= c.rows_per_token) {
+            h -= c.rows_per_token;
+            off += token_jump;
+          }
+        }
       }
-    }
-  };
-  auto chunk_elems = [&](int k) {
-    const int64_t left = c.row_elems - int64_t{k} * kChunkElems;
-    return left < kChunkElems ? static_cast<int>(left) : kChunkElems;
-  };
+    };
+    auto chunk_elems = [&](int k) {
+      const int64_t left = c.row_elems - int64_t{k} * kChunkElems;
+      return left < kChunkElems ? static_cast<int>(left) : kChunkElems;
+    };
 
-  const T* src = static_cast<const T*>(c.src);
-  for_each_chunk(c.stride_src_token, c.stride_src_head, c.src_step, c.src_token_jump,
-                 [&](int s, int64_t off, int k) {
-                   stage_chunk<kVec>(stage + s * kWarpSize + lane, src + off, chunk_elems(k));
-                 });
-  if constexpr (kVec) {
-    cp_async_commit();
-    cp_async_wait_all();  // this lane's own chunks have landed
+    const T* src = static_cast<const T*>(c.src);
+    for_each_chunk(c.stride_src_token, c.stride_src_head, c.src_step, c.src_token_jump,
+                   [&](int s, int64_t off, int k) {
+                     stage_chunk<kVec>(stage + s * kWarpSize + lane, src + off, chunk_elems(k));
+                   });
+    if constexpr (kVec) {
+      cp_async_commit();
+      cp_async_wait_all();  // this lane's own chunks have landed
+    }
+    const Divisor div = make_divisor(scale);  // fp8 destinations only
+    Dst* dst = static_cast<Dst*>(c.dst);
+    for_each_chunk(c.stride_dst_token, c.stride_dst_head, c.dst_step, c.dst_token_jump,
+                   [&](int s, int64_t off, int k) {
+                     store_chunk<kVec>(dst + off,
+                                       encode_chunk<Dst>(stage[s * kWarpSize + lane], div),
+                                       chunk_elems(k));
+                   });
+  };
+  if (simple) {
+    run(std::true_type{});
+  } else {
+    run(std::false_type{});
   }
-  const Divisor div = make_divisor(scale);  // fp8 destinations only
-  Dst* dst = static_cast<Dst*>(c.dst);
-  for_each_chunk(c.stride_dst_token, c.stride_dst_head, c.dst_step, c.dst_token_jump,
-                 [&](int s, int64_t off, int k) {
-                   store_chunk<kVec>(dst + off, encode_chunk<Dst>(stage[s * kWarpSize + lane], div),
-                                     chunk_elems(k));
-                 });
 }
 
 }  // namespace mla_detail
