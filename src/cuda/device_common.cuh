@@ -96,8 +96,7 @@ __device__ __forceinline__ uint16_t cvt_fp8x2_satfinite(float lo, float hi) {
 // unclamped value (every |x| >= max gives +-max) and which the conversion then rounds exactly
 // (round-to-nearest-even of an in-range value, subnormals and signed zeros included); NaN is set
 // to 0x7f from the input afterwards (fmaxf/fminf turn it into +-max, and the hardware's NaN byte
-// may carry the sign). src/cuda/rmsnorm_quant_kernel.cuh (rmsq::e4m3x4) relies on the same
-// conversion with the NaN byte fixed instead.
+// may carry the sign).
 template <typename Fp8>
 __device__ __forceinline__ void fp8x2_from_float(float a, float b, Fp8& ra, Fp8& rb) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
@@ -380,9 +379,13 @@ __device__ __forceinline__ EntryPtrs cache_entry_at(const core::CacheArg& cache,
 // shuffles. The inputs are non-negative and never NaN (num::amax_update skips NaN), so max is
 // exact and order-free: every lane of the group ends with the same value.
 __device__ __forceinline__ float group_max(float v, int width) {
-  for (int offset = width / 2; offset > 0; offset /= 2) {
-    const float other = __shfl_xor_sync(kFullMask, v, offset);
-    v = other > v ? other : v;
+  // The offsets width / 2, ..., 1 in that order (width a power of two <= 32), unrolled.
+#pragma unroll
+  for (int offset = kWarpSize / 2; offset > 0; offset /= 2) {
+    if (offset < width) {
+      const float other = __shfl_xor_sync(kFullMask, v, offset);
+      v = other > v ? other : v;
+    }
   }
   return v;
 }

@@ -28,8 +28,8 @@
 //
 // Numerics: src/common/numerics.h for the arithmetic (mul_rn, add_rn, div_rn, rms_inv, rms_apply);
 // the roundings use the hardware conversions, which are round-to-nearest-even like num::from_float
-// (cvt.rn.bf16x2 / f16x2, and cvt.rn.satfinite.e4m3x2: saturating to +-448, NaN -> 0x7f after the
-// sign fix below), so the bytes equal num::quantize's.
+// (cvt.rn.bf16x2 / f16x2), and the quantization is the fused kernel's encode_chunk
+// (device_common.cuh), so the bytes equal num::quantize's.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -77,23 +77,6 @@ __device__ __forceinline__ void round2(float a, float b, T& ra, T& rb) {
   }
 }
 
-// Four values to e4m3 bytes (byte e = value e), saturating, round-to-nearest-even.
-__device__ __forceinline__ uint32_t e4m3x4(float v0, float v1, float v2, float v3) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
-  const uint16_t lo = cvt_fp8x2_satfinite<num::Fp8E4M3>(v0, v1);
-  const uint16_t hi = cvt_fp8x2_satfinite<num::Fp8E4M3>(v2, v3);
-  uint32_t w = static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
-  // A NaN byte may carry the input's sign; num::float_to_e4m3 gives 0x7f for every NaN.
-  const uint32_t nan_bytes = __vcmpeq4(w | 0x80808080u, 0xffffffffu);
-  return w & ~(nan_bytes & 0x80808080u);
-#else
-  return static_cast<uint32_t>(num::float_to_e4m3(v0).bits) |
-         (static_cast<uint32_t>(num::float_to_e4m3(v1).bits) << 8) |
-         (static_cast<uint32_t>(num::float_to_e4m3(v2).bits) << 16) |
-         (static_cast<uint32_t>(num::float_to_e4m3(v3).bits) << 24);
-#endif
-}
-
 // ---- 16-byte accesses ------------------------------------------------------------------------
 // Weight chunks: read-only for the kernel's lifetime and shared by every block.
 template <typename T>
@@ -123,10 +106,12 @@ __global__ void __launch_bounds__(kRmsqMaxThreads)
   __shared__ float s_inv;
 
   const bool second = static_cast<int64_t>(blockIdx.x) >= params.num_rows_first;
-  const core::RmsNormQuantTask& task = params.tasks[second ? 1 : 0];
+  // The task's fields once into registers (indexing the parameter block by a run-time task number
+  // would re-read every field from it at each use).
+  const core::RmsNormQuantTask task = params.tasks[second ? 1 : 0];
   const int64_t t = static_cast<int64_t>(blockIdx.x) - (second ? params.num_rows_first : 0);
-  const int64_t N = task.hidden;
-  const int64_t num_chunks = N / kChunkElems;
+  const int N = static_cast<int>(task.hidden);  // <= kMaxRmsNormQuantHidden
+  const int num_chunks = N / kChunkElems;
   const int tid = static_cast<int>(threadIdx.x);
   const int threads = static_cast<int>(blockDim.x);
   const int lane = tid % kWarpSize;
@@ -142,7 +127,7 @@ __global__ void __launch_bounds__(kRmsqMaxThreads)
   Chunk<T> s[kRmsqMaxChunksPerThread];
 #pragma unroll
   for (int i = 0; i < kRmsqMaxChunksPerThread; ++i) {
-    const int64_t c = static_cast<int64_t>(i) * threads + tid;
+    const int c = i * threads + tid;
     if (c >= num_chunks) continue;
     s[i] = load_chunk<true>(x + c * kChunkElems, kChunkElems);
     if (residual != nullptr) {
@@ -174,8 +159,9 @@ __global__ void __launch_bounds__(kRmsqMaxThreads)
     if (warp == 0) {
       float acc = 0.0f;
       if (lane < kSumLanes) {
-#pragma unroll 4
-        for (int64_t k = lane; k < N; k += kSumLanes) acc = num::add_rn(acc, sq[k]);
+        // In order; the unrolled loads run ahead of the dependent adds.
+#pragma unroll 8
+        for (int k = lane; k < N; k += kSumLanes) acc = num::add_rn(acc, sq[k]);
       }
       acc = combine_partial_sums(acc, lane);
       if (lane == 0) s_inv = num::rms_inv(acc, N, task.eps);
@@ -191,13 +177,15 @@ __global__ void __launch_bounds__(kRmsqMaxThreads)
                   : nullptr;
   uint8_t* q = task.quant_values != nullptr ? task.quant_values + t * task.stride_quant_values_token
                                             : nullptr;
+  // G is a power of two (validated): lanes_per_group = 2^group_shift.
   const int lanes_per_group = static_cast<int>(task.group_size / kChunkElems);
+  const int group_shift = __ffs(lanes_per_group) - 1;
 #pragma unroll
   for (int i = 0; i < kRmsqMaxChunksPerThread; ++i) {
-    const int64_t c = static_cast<int64_t>(i) * threads + tid;
+    const int c = i * threads + tid;
     // Warp-uniform: the warp's first chunk exists. Groups never straddle the end of the row
     // (N % G == 0), so lanes past it only feed zeros into shuffles of groups nobody stores.
-    if (static_cast<int64_t>(i) * threads + warp * kWarpSize >= num_chunks) continue;
+    if (i * threads + warp * kWarpSize >= num_chunks) continue;
     const bool active = c < num_chunks;
     Chunk<T> y = s[i];
     float amax = 0.0f;
@@ -219,16 +207,13 @@ __global__ void __launch_bounds__(kRmsqMaxThreads)
     amax = group_max(amax, lanes_per_group);
     if (!active) continue;
     const float scale = num::group_scale(amax, task.scale_floor, task.pow2_scale);
-    const Divisor div = make_divisor(scale);  // device_common.cuh: the bits of div_rn
-    float v[kChunkElems];
-#pragma unroll
-    for (int e = 0; e < kChunkElems; ++e) v[e] = divide(to_f(y.v[e]), div);
-    uint2 bytes;
-    bytes.x = e4m3x4(v[0], v[1], v[2], v[3]);
-    bytes.y = e4m3x4(v[4], v[5], v[6], v[7]);
-    __stcs(reinterpret_cast<uint2*>(q + c * kChunkElems), bytes);
-    if (lane % lanes_per_group == 0) {
-      const int64_t g = c / lanes_per_group;
+    // The fused kernel's quantization of a chunk (device_common.cuh encode_chunk: the bits of
+    // num::quantize, one range test per chunk on its fast path).
+    cuda::detail::ChunkBits<num::Fp8E4M3> bytes;
+    bytes.c = encode_chunk<num::Fp8E4M3>(y, make_divisor(scale));
+    __stcs(reinterpret_cast<uint2*>(q + c * kChunkElems), bytes.w[0]);
+    if ((lane & (lanes_per_group - 1)) == 0) {
+      const int64_t g = c >> group_shift;
       __stcs(task.scales + t * task.stride_scales_token + g * task.stride_scales_group, scale);
     }
   }
