@@ -307,9 +307,9 @@ class Row : public BenchRow {
   Op fused_op(int s) const override {
     const MlaRopeCacheParams params = fused_params(sets_[s]);
     int32_t* counts = error_counts_.as<int32_t>();
-    return [params, counts](void* stream) {
-      Context ctx;
-      ctx.stream = stream;
+    const Timer* timer = &timer_;
+    return [params, counts, timer](void* stream) {
+      Context ctx = timer->context(stream);
       ctx.error_counts = counts;
       mla_rope_cache(params, ctx);
     };
@@ -363,9 +363,9 @@ class Row : public BenchRow {
     }
     int32_t* counts = error_counts_.as<int32_t>();
     const bool kv_norm = w_.kv_norm;
-    return [rope, norm, kv_norm, concat, q_concat, q_params, q_copy, counts](void* stream) {
-      Context ctx;
-      ctx.stream = stream;
+    const Timer* timer = &timer_;
+    return [rope, norm, kv_norm, concat, q_concat, q_params, q_copy, counts, timer](void* stream) {
+      Context ctx = timer->context(stream);
       ctx.error_counts = counts;
       if (kv_norm) rms_norm(norm, ctx);
       rotary_embedding(rope, ctx);
@@ -590,6 +590,7 @@ class NormRow : public BenchRow {
         T_(T),
         dual_(w.kind == Kind::kDualNorm),
         device_(timer.device()),
+        pdl_(timer.pdl()),
         scale_stride_((T + 3) / 4 * 4) {
     // Minimal traffic: q_c read, e4m3 values and scales written, the weights read once; the dual
     // form also reads kv_c and writes the normalized kv_c.
@@ -634,12 +635,12 @@ class NormRow : public BenchRow {
   Op fused_op(int s) const override {
     const RmsNormQuantParams q = q_params(sets_[s], device_);
     if (!dual_) {
-      return [q](void* stream) { rmsnorm_quant(q, stream_context(stream)); };
+      return [q, pdl = pdl_](void* stream) { rmsnorm_quant(q, stream_context(stream, pdl)); };
     }
     MlaRmsNormQuantParams p;
     p.q = q;
     p.kv = kv_params(sets_[s], device_);
-    return [p](void* stream) { mla_rmsnorm_quant(p, stream_context(stream)); };
+    return [p, pdl = pdl_](void* stream) { mla_rmsnorm_quant(p, stream_context(stream, pdl)); };
   }
 
   Op unfused_op(int s) const override {
@@ -647,8 +648,8 @@ class NormRow : public BenchRow {
     const RmsNormQuantParams q = q_params(in, device_);
     if (dual_) {
       const RmsNormParams kv = kv_params(in, device_);
-      return [q, kv](void* stream) {
-        const Context ctx = stream_context(stream);
+      return [q, kv, pdl = pdl_](void* stream) {
+        const Context ctx = stream_context(stream, pdl);
         rmsnorm_quant(q, ctx);
         rms_norm(kv, ctx);
       };
@@ -663,8 +664,8 @@ class NormRow : public BenchRow {
     quant.num_tokens = T_;
     quant.input = norm.output;
     quant.quant = q.quant;
-    return [norm, quant](void* stream) {
-      const Context ctx = stream_context(stream);
+    return [norm, quant, pdl = pdl_](void* stream) {
+      const Context ctx = stream_context(stream, pdl);
       rms_norm(norm, ctx);
       per_token_group_quant_fp8(quant, ctx);
     };
@@ -719,9 +720,10 @@ class NormRow : public BenchRow {
     std::vector<uint8_t> values, scales, kv_c_out;
   };
 
-  static Context stream_context(void* stream) {
+  static Context stream_context(void* stream, bool pdl) {
     Context ctx;
     ctx.stream = stream;
+    ctx.pdl = pdl;
     return ctx;
   }
 
@@ -784,6 +786,7 @@ class NormRow : public BenchRow {
   int64_t T_;
   bool dual_;
   Device device_;
+  bool pdl_;
   int64_t scale_stride_;  // T rounded up to 4: 16-byte aligned columns of the scales
   int64_t bytes_ = 0;
   int num_sets_ = 1;
@@ -836,12 +839,14 @@ int run_bench(const BenchOptions& options) {
   if (backend == "cuda") {
 #ifdef MLAKV_WITH_CUDA
     MLAKV_CHECK(cuda_device_count() > 0, "bench: --backend cuda: no CUDA device is visible");
-    timer = make_cuda_timer(0, options.iters);
+    timer = make_cuda_timer(0, options.iters, options.pdl);
     device_text = "cuda:0 " + cuda_device_description(0);
 #else
     MLAKV_FAIL("bench: --backend cuda: mlakv was built without the CUDA backend");
 #endif
   } else {
+    MLAKV_CHECK(!options.pdl, "bench: --pdl: programmatic dependent launch is a CUDA feature, got ",
+                "--backend ", backend);
     timer = make_cpu_timer(options.iters);
     device_text = "cpu";
   }
@@ -903,8 +908,9 @@ int run_bench(const BenchOptions& options) {
       "copy = a %s of bytes/2 (the same traffic), same rotation\n",
       roofline_gbps, on_cuda ? "1 GiB cudaMemcpyAsync D2D" : "256 MiB memcpy over all threads",
       on_cuda ? "D2D copy" : "memcpy");
-  std::printf("launch floor %.2f us (%s, timed as the ops are)\n", floor.median_us,
-              on_cuda ? "an empty one-warp kernel" : "an empty OpenMP parallel region");
+  std::printf("launch floor %.2f us (%s, timed as the ops are)%s\n", floor.median_us,
+              on_cuda ? "an empty one-warp kernel" : "an empty OpenMP parallel region",
+              timer->pdl() ? "; every op launched with programmatic dependent launch (--pdl)" : "");
   std::printf("spread = p10-p90; speedup = unfused / fused time\n\n");
   std::printf("%-21s %6s %10s %19s %10s %8s %6s %9s %10s %8s\n", "workload", "T", "fused_us",
               "spread_us", "bytes", "GB/s", "%copy", "copy_us", "unfused_us", "speedup");
@@ -1016,6 +1022,7 @@ int run_bench(const BenchOptions& options) {
                             {"fp8_q_scale", kFp8QScale}}},
                           {"copy_roofline_gbps", roofline_gbps},
                           {"launch_floor", timing_json(floor)},
+                          {"pdl", timer->pdl()},
                           {"rows", rows}};
     std::ofstream file(options.json_path);
     MLAKV_CHECK(file.good(), "bench: --json: cannot open '", options.json_path, "' for writing");

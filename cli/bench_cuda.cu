@@ -21,7 +21,13 @@ namespace mlakv {
 namespace cli {
 namespace {
 
-__global__ void empty_kernel() {}
+// The launch floor's kernel: nothing but the dependent-launch handshake every op does first.
+__global__ void empty_kernel() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;" :::);
+#endif
+}
 
 // Owns a set of events, a graph and its executable; frees them on every exit path.
 struct GraphResources {
@@ -43,7 +49,8 @@ struct GraphResources {
 
 class CudaTimer : public Timer {
  public:
-  CudaTimer(int device_index, int iters) : device_index_(device_index), iters_(iters) {
+  CudaTimer(int device_index, int iters, bool pdl) : device_index_(device_index), iters_(iters) {
+    pdl_ = pdl;
     MLAKV_CLI_CUDA_CHECK(cudaSetDevice(device_index));
     MLAKV_CLI_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
   }
@@ -144,9 +151,20 @@ class CudaTimer : public Timer {
   }
 
   Op empty_op() override {
-    return [](void* stream) {
-      empty_kernel<<<1, 32, 0, static_cast<cudaStream_t>(stream)>>>();
-      MLAKV_CLI_CUDA_CHECK(cudaGetLastError());
+    const bool pdl = pdl_;
+    return [pdl](void* stream) {
+      cudaLaunchConfig_t config = {};
+      config.gridDim = dim3(1);
+      config.blockDim = dim3(32);
+      config.stream = static_cast<cudaStream_t>(stream);
+      cudaLaunchAttribute attribute = {};
+      attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+      attribute.val.programmaticStreamSerializationAllowed = 1;
+      if (pdl) {
+        config.attrs = &attribute;
+        config.numAttrs = 1;
+      }
+      MLAKV_CLI_CUDA_CHECK(cudaLaunchKernelEx(&config, empty_kernel));
     };
   }
 
@@ -164,8 +182,8 @@ class CudaTimer : public Timer {
 
 }  // namespace
 
-std::unique_ptr<Timer> make_cuda_timer(int device_index, int iters) {
-  return std::make_unique<CudaTimer>(device_index, iters);
+std::unique_ptr<Timer> make_cuda_timer(int device_index, int iters, bool pdl) {
+  return std::make_unique<CudaTimer>(device_index, iters, pdl);
 }
 
 }  // namespace cli

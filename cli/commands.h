@@ -27,6 +27,7 @@ struct BenchOptions {
   int iters = 0;                       // timed runs per measurement; 0: adaptive
   std::string json_path;               // empty: no JSON
   bool skip_check = false;             // skip the correctness check before timing
+  bool pdl = false;                    // CUDA: every timed op with programmatic dependent launch
 };
 // `mlakv bench`: DeepSeek-V3 shapes, fused op vs unfused primitives vs a copy of the same bytes.
 int run_bench(const BenchOptions& options);

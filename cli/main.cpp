@@ -54,6 +54,9 @@ int main(int argc, char** argv) {
   bench->add_option("--json", bench_options.json_path, "Write every number to this JSON file");
   bench->add_flag("--skip-check", bench_options.skip_check,
                   "Skip the correctness check before timing");
+  bench->add_flag("--pdl", bench_options.pdl,
+                  "CUDA: launch every timed op (fused, unfused, the launch floor's kernel) with "
+                  "programmatic dependent launch (Context::pdl)");
 
   CLI11_PARSE(app, argc, argv);
 

@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "mlakv/context.h"
 #include "mlakv/tensor.h"
 
 namespace mlakv {
@@ -45,12 +46,26 @@ class Timer {
   virtual Op empty_op() = 0;
   // Input bytes beyond which rotation stops helping (a few times the last-level cache).
   virtual size_t rotation_bytes() const = 0;
+  // The Context of the timed ops on `stream`: programmatic dependent launch on when the timer was
+  // made with it (the CUDA timer's --pdl), so that consecutive launches overlap as in an engine's
+  // CUDA graph of a layer.
+  Context context(void* stream) const {
+    Context ctx;
+    ctx.stream = stream;
+    ctx.pdl = pdl_;
+    return ctx;
+  }
+  bool pdl() const { return pdl_; }
+
+ protected:
+  bool pdl_ = false;
 };
 
 // `iters` timed samples per measurement; 0 picks a count that keeps each measurement ~0.1 s.
 std::unique_ptr<Timer> make_cpu_timer(int iters);
 #ifdef MLAKV_WITH_CUDA
-std::unique_ptr<Timer> make_cuda_timer(int device_index, int iters);
+// pdl: launch the ops (and the empty op) with programmatic dependent launch.
+std::unique_ptr<Timer> make_cuda_timer(int device_index, int iters, bool pdl);
 #endif
 
 }  // namespace cli

@@ -27,6 +27,12 @@ struct Context {
   bool checked = false;
   // CPU backend threads; 0 = all hardware threads.
   int32_t num_threads = 0;
+  // CUDA backend, sm_90+: programmatic dependent launch. The op's kernel may be scheduled while the
+  // previous kernel in the stream is still running and waits for it (griddepcontrol.wait) before
+  // reading any input, so a chain of kernels (a layer captured in a CUDA graph) hides the launch
+  // latency between them; the op's kernel also lets the next one start early, which waits the same
+  // way if it was launched with this attribute. Same results as without. Ignored on the CPU.
+  bool pdl = false;
 };
 
 }  // namespace mlakv

@@ -13,9 +13,11 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <utility>
 
 #include "common/numerics.h"
 #include "mlakv/cache.h"
+#include "mlakv/context.h"
 #include "mlakv/error.h"
 #include "mlakv/tensor.h"
 
@@ -29,18 +31,6 @@
           ::mlakv::detail::concat(#call, " failed: ", cudaGetErrorName(mlakv_cuda_err_), ": ", \
                                   cudaGetErrorString(mlakv_cuda_err_)));                       \
     }                                                                                          \
-  } while (0)
-
-// After a <<<...>>> launch: a bad launch configuration shows up here, synchronously.
-#define MLAKV_CUDA_CHECK_LAUNCH(kernel_name)                                                       \
-  do {                                                                                             \
-    const cudaError_t mlakv_cuda_err_ = cudaGetLastError();                                        \
-    if (mlakv_cuda_err_ != cudaSuccess) {                                                          \
-      throw ::mlakv::Error(__FILE__, __LINE__,                                                     \
-                           ::mlakv::detail::concat("launch of ", kernel_name,                      \
-                                                   " failed: ", cudaGetErrorName(mlakv_cuda_err_), \
-                                                   ": ", cudaGetErrorString(mlakv_cuda_err_)));    \
-    }                                                                                              \
   } while (0)
 
 // MLAKV_MODEL_DTYPE_SWITCH(dtype, TypeName, ...): TypeName = float / num::Half / num::Bf16.
@@ -67,6 +57,45 @@
 
 namespace mlakv {
 namespace cuda {
+
+// How a launcher launches: the op's stream, and programmatic dependent launch (Context::pdl).
+struct Launch {
+  cudaStream_t stream = nullptr;
+  bool pdl = false;
+};
+
+inline Launch launch_of(const Context& ctx) {
+  Launch l;
+  l.stream = static_cast<cudaStream_t>(ctx.stream);
+  l.pdl = ctx.pdl;
+  return l;
+}
+
+// kernel<<<grid, block, smem_bytes, launch.stream>>>(args...), with the programmatic stream
+// serialization attribute when launch.pdl: the kernel may then start before the previous kernel in
+// the stream has finished, and waits for it in pdl_wait() (device_common.cuh) before reading any
+// input. A bad configuration throws here, synchronously.
+template <typename... Params, typename... Args>
+void launch_kernel(const char* name, void (*kernel)(Params...), unsigned grid, unsigned block,
+                   size_t smem_bytes, const Launch& launch, Args&&... args) {
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(grid);
+  config.blockDim = dim3(block);
+  config.dynamicSmemBytes = smem_bytes;
+  config.stream = launch.stream;
+  cudaLaunchAttribute attribute = {};
+  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute.val.programmaticStreamSerializationAllowed = 1;
+  if (launch.pdl) {
+    config.attrs = &attribute;
+    config.numAttrs = 1;
+  }
+  const cudaError_t err = cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
+  if (err != cudaSuccess) {
+    MLAKV_FAIL("launch of ", name, " failed: ", cudaGetErrorName(err), ": ",
+               cudaGetErrorString(err));
+  }
+}
 
 inline bool aligned_to(const void* ptr, int64_t alignment) {
   return reinterpret_cast<uintptr_t>(ptr) % static_cast<uintptr_t>(alignment) == 0;

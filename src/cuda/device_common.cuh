@@ -37,6 +37,22 @@ __device__ __forceinline__ void count_error(int32_t* error_counts, ErrorCounter 
   if (error_counts != nullptr) atomicAdd(error_counts + counter, 1);
 }
 
+// Programmatic dependent launch (Context::pdl, cuda_utils.h launch_kernel). pdl_wait(): blocks
+// until the previous kernel in the stream has finished and its writes are visible; every kernel
+// calls it before its first read of an input (a no-op when launched without the attribute).
+// pdl_launch_dependents(): lets the next kernel in the stream, if launched with the attribute,
+// start its prologue now (it still waits for this whole grid before reading what it writes).
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" :::);
+#endif
+}
+
 // positions[t] clamped into [0, max_pos); counted in `error_counts` (may be null) when clamped.
 __device__ __forceinline__ int64_t clamped_position(const core::IndexArg& positions,
                                                     int64_t max_pos, int64_t t,

@@ -9,9 +9,9 @@ namespace cuda {
 
 #define MLAKV_INSTANTIATE_GATHER(kFormat, Out)                                \
   template void launch_gather_cache_kernel<CacheFormat::kFormat, Out, true>(  \
-      const GatherKernelParams&, cudaStream_t);                               \
+      const GatherKernelParams&, const Launch&);                              \
   template void launch_gather_cache_kernel<CacheFormat::kFormat, Out, false>( \
-      const GatherKernelParams&, cudaStream_t);
+      const GatherKernelParams&, const Launch&);
 #define MLAKV_INSTANTIATE_GATHER_FORMAT(kFormat) \
   MLAKV_INSTANTIATE_GATHER(kFormat, float)       \
   MLAKV_INSTANTIATE_GATHER(kFormat, num::Bf16)
@@ -27,29 +27,29 @@ MLAKV_INSTANTIATE_GATHER_FORMAT(kFloat8DsMla)
 namespace {
 
 template <CacheFormat kFormat, typename Out>
-void dispatch_vec(const GatherKernelParams& p, bool vec, cudaStream_t stream) {
+void dispatch_vec(const GatherKernelParams& p, bool vec, const Launch& launch) {
   if (vec) {
-    launch_gather_cache_kernel<kFormat, Out, true>(p, stream);
+    launch_gather_cache_kernel<kFormat, Out, true>(p, launch);
   } else {
-    launch_gather_cache_kernel<kFormat, Out, false>(p, stream);
+    launch_gather_cache_kernel<kFormat, Out, false>(p, launch);
   }
 }
 
 template <typename Out>
-void dispatch_format(const GatherKernelParams& p, bool vec, cudaStream_t stream) {
+void dispatch_format(const GatherKernelParams& p, bool vec, const Launch& launch) {
   switch (p.args.cache.format) {
     case CacheFormat::kBFloat16:
-      return dispatch_vec<CacheFormat::kBFloat16, Out>(p, vec, stream);
+      return dispatch_vec<CacheFormat::kBFloat16, Out>(p, vec, launch);
     case CacheFormat::kFloat16:
-      return dispatch_vec<CacheFormat::kFloat16, Out>(p, vec, stream);
+      return dispatch_vec<CacheFormat::kFloat16, Out>(p, vec, launch);
     case CacheFormat::kFloat32:
-      return dispatch_vec<CacheFormat::kFloat32, Out>(p, vec, stream);
+      return dispatch_vec<CacheFormat::kFloat32, Out>(p, vec, launch);
     case CacheFormat::kFloat8E4M3:
-      return dispatch_vec<CacheFormat::kFloat8E4M3, Out>(p, vec, stream);
+      return dispatch_vec<CacheFormat::kFloat8E4M3, Out>(p, vec, launch);
     case CacheFormat::kFloat8E5M2:
-      return dispatch_vec<CacheFormat::kFloat8E5M2, Out>(p, vec, stream);
+      return dispatch_vec<CacheFormat::kFloat8E5M2, Out>(p, vec, launch);
     case CacheFormat::kFloat8DsMla:
-      return dispatch_vec<CacheFormat::kFloat8DsMla, Out>(p, vec, stream);
+      return dispatch_vec<CacheFormat::kFloat8DsMla, Out>(p, vec, launch);
   }
   MLAKV_FAIL("kv_cache: unknown cache format ", static_cast<int>(p.args.cache.format));
 }
@@ -71,12 +71,12 @@ void gather_cache(const core::GatherCacheArgs& args, const Context& ctx) {
       .stride_bytes(args.cache.stride_token_bytes);
   v.ptr(args.out).stride(args.stride_out_token, out_elem);
   const bool vec = v.ok();
-  auto stream = static_cast<cudaStream_t>(ctx.stream);
+  const Launch launch = launch_of(ctx);
   switch (args.out_dtype) {
     case DType::kFloat32:
-      return dispatch_format<float>(p, vec, stream);
+      return dispatch_format<float>(p, vec, launch);
     case DType::kBFloat16:
-      return dispatch_format<num::Bf16>(p, vec, stream);
+      return dispatch_format<num::Bf16>(p, vec, launch);
     default:
       MLAKV_FAIL("out: expected float32 or bfloat16, got ", dtype_name(args.out_dtype));
   }

@@ -16,7 +16,7 @@ struct GatherKernelParams {
 };
 
 template <CacheFormat kFormat, typename Out, bool kVec>
-void launch_gather_cache_kernel(const GatherKernelParams& params, cudaStream_t stream);
+void launch_gather_cache_kernel(const GatherKernelParams& params, const Launch& launch);
 
 }  // namespace cuda
 }  // namespace mlakv

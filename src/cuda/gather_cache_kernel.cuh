@@ -42,6 +42,8 @@ __device__ __forceinline__ Out dequantize(C v, float scale) {
 template <CacheFormat kFormat, typename Out, bool kVec>
 __global__ void __launch_bounds__(kGatherThreads)
     gather_cache_kernel(const __grid_constant__ GatherKernelParams p) {
+  pdl_wait();
+  pdl_launch_dependents();
   using Latent = typename CacheTraits<kFormat>::Latent;
   using RopeT = typename CacheTraits<kFormat>::Rope;
   constexpr bool kDsMla = kFormat == CacheFormat::kFloat8DsMla;
@@ -141,13 +143,12 @@ __global__ void __launch_bounds__(kGatherThreads)
 }
 
 template <CacheFormat kFormat, typename Out, bool kVec>
-void launch_gather_cache_kernel(const GatherKernelParams& params, cudaStream_t stream) {
+void launch_gather_cache_kernel(const GatherKernelParams& params, const Launch& launch) {
   const int64_t grid = (params.args.num_rows + kGatherWarps - 1) / kGatherWarps;
   MLAKV_CHECK(grid <= 0x7fffffff, "gather_cache: ", params.args.num_rows,
               " rows exceed one launch");
-  gather_cache_kernel<kFormat, Out, kVec>
-      <<<static_cast<unsigned>(grid), kGatherThreads, 0, stream>>>(params);
-  MLAKV_CUDA_CHECK_LAUNCH("gather_cache_kernel");
+  launch_kernel("gather_cache_kernel", gather_cache_kernel<kFormat, Out, kVec>,
+                static_cast<unsigned>(grid), kGatherThreads, 0, launch, params);
 }
 
 }  // namespace cuda

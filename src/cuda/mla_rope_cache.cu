@@ -192,26 +192,26 @@ bool vec_ok(const core::MlaRopeCacheArgs& a) {
 }
 
 template <typename T, CacheFormat kFormat, typename QOut>
-void dispatch_vec(const MlaRopeCacheKernelParams& p, bool vec, cudaStream_t stream) {
+void dispatch_vec(const MlaRopeCacheKernelParams& p, bool vec, const Launch& launch) {
   if (vec) {
-    launch_mla_rope_cache_kernel<T, kFormat, QOut, true>(p, stream);
+    launch_mla_rope_cache_kernel<T, kFormat, QOut, true>(p, launch);
   } else {
-    launch_mla_rope_cache_kernel<T, kFormat, QOut, false>(p, stream);
+    launch_mla_rope_cache_kernel<T, kFormat, QOut, false>(p, launch);
   }
 }
 
 template <typename T, CacheFormat kFormat>
-void dispatch_q_out(const MlaRopeCacheKernelParams& p, bool vec, cudaStream_t stream) {
+void dispatch_q_out(const MlaRopeCacheKernelParams& p, bool vec, const Launch& launch) {
   if (p.args.q_out == nullptr || p.args.q_out_dtype == p.args.model_dtype) {
-    dispatch_vec<T, kFormat, T>(p, vec, stream);
+    dispatch_vec<T, kFormat, T>(p, vec, launch);
     return;
   }
   switch (p.args.q_out_dtype) {
     case DType::kFloat8E4M3:
-      dispatch_vec<T, kFormat, num::Fp8E4M3>(p, vec, stream);
+      dispatch_vec<T, kFormat, num::Fp8E4M3>(p, vec, launch);
       return;
     case DType::kFloat8E5M2:
-      dispatch_vec<T, kFormat, num::Fp8E5M2>(p, vec, stream);
+      dispatch_vec<T, kFormat, num::Fp8E5M2>(p, vec, launch);
       return;
     default:
       MLAKV_FAIL("q_out: expected the model dtype ", dtype_name(p.args.model_dtype),
@@ -220,22 +220,22 @@ void dispatch_q_out(const MlaRopeCacheKernelParams& p, bool vec, cudaStream_t st
 }
 
 template <typename T>
-void dispatch_format(const MlaRopeCacheKernelParams& p, bool vec, cudaStream_t stream) {
+void dispatch_format(const MlaRopeCacheKernelParams& p, bool vec, const Launch& launch) {
   switch (p.args.cache.format) {
     case CacheFormat::kBFloat16:
-      return dispatch_q_out<T, CacheFormat::kBFloat16>(p, vec, stream);
+      return dispatch_q_out<T, CacheFormat::kBFloat16>(p, vec, launch);
     case CacheFormat::kFloat16:
-      return dispatch_q_out<T, CacheFormat::kFloat16>(p, vec, stream);
+      return dispatch_q_out<T, CacheFormat::kFloat16>(p, vec, launch);
     case CacheFormat::kFloat32:
-      return dispatch_q_out<T, CacheFormat::kFloat32>(p, vec, stream);
+      return dispatch_q_out<T, CacheFormat::kFloat32>(p, vec, launch);
     case CacheFormat::kFloat8E4M3:
-      return dispatch_q_out<T, CacheFormat::kFloat8E4M3>(p, vec, stream);
+      return dispatch_q_out<T, CacheFormat::kFloat8E4M3>(p, vec, launch);
     case CacheFormat::kFloat8E5M2:
-      return dispatch_q_out<T, CacheFormat::kFloat8E5M2>(p, vec, stream);
+      return dispatch_q_out<T, CacheFormat::kFloat8E5M2>(p, vec, launch);
     case CacheFormat::kFloat8DsMla:
       // The validator admits fp8_ds_mla with a bfloat16 model only; only that is instantiated.
       if constexpr (std::is_same_v<T, num::Bf16>) {
-        return dispatch_q_out<T, CacheFormat::kFloat8DsMla>(p, vec, stream);
+        return dispatch_q_out<T, CacheFormat::kFloat8DsMla>(p, vec, launch);
       } else {
         MLAKV_FAIL("kv_cache: fp8_ds_mla needs a bfloat16 model dtype, got ",
                    dtype_name(p.args.model_dtype));
@@ -255,8 +255,8 @@ void run(const core::MlaRopeCacheArgs& a, bool apply_rope, const Context& ctx) {
   const MlaRopeCacheKernelParams p =
       make_params(a, apply_rope, vec, error_counts, resident_warps());
   if (p.num_items <= 0) return;
-  auto stream = static_cast<cudaStream_t>(ctx.stream);
-  MLAKV_MODEL_DTYPE_SWITCH(a.model_dtype, "kv_c", T, [&] { dispatch_format<T>(p, vec, stream); });
+  const Launch launch = launch_of(ctx);
+  MLAKV_MODEL_DTYPE_SWITCH(a.model_dtype, "kv_c", T, [&] { dispatch_format<T>(p, vec, launch); });
 }
 
 }  // namespace

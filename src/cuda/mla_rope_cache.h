@@ -75,7 +75,7 @@ struct MlaRopeCacheKernelParams {
 // The kernel for model type T, cache format kFormat, q_out element type QOut and the vector-access
 // flag (mla_rope_cache_kernel.cuh; instantiated in mla_rope_cache_{bf16,fp16,fp32}.cu).
 template <typename T, CacheFormat kFormat, typename QOut, bool kVec>
-void launch_mla_rope_cache_kernel(const MlaRopeCacheKernelParams& params, cudaStream_t stream);
+void launch_mla_rope_cache_kernel(const MlaRopeCacheKernelParams& params, const Launch& launch);
 
 }  // namespace cuda
 }  // namespace mlakv

@@ -550,6 +550,8 @@ __global__ void __launch_bounds__(kMlaThreads, (kMlaMinBlocks<T, kFormat, QOut, 
   // or copy item.
   __shared__ __align__(16) unsigned char stage_bytes[kMlaWarps][kStageBytes];
   prefetch_params(p, p.num_items <= 0);  // the launcher never launches an empty list
+  pdl_wait();  // the parameter block is not an input: its reads may precede the wait
+  pdl_launch_dependents();
   const int lane = static_cast<int>(threadIdx.x) % kWarpSize;
   const int warp = static_cast<int>(threadIdx.x) / kWarpSize;
   const core::MlaRopeCacheArgs& a = p.args;
@@ -605,14 +607,13 @@ __global__ void __launch_bounds__(kMlaThreads, (kMlaMinBlocks<T, kFormat, QOut, 
 }
 
 template <typename T, CacheFormat kFormat, typename QOut, bool kVec>
-void launch_mla_rope_cache_kernel(const MlaRopeCacheKernelParams& params, cudaStream_t stream) {
+void launch_mla_rope_cache_kernel(const MlaRopeCacheKernelParams& params, const Launch& launch) {
   if (params.num_items <= 0) return;
   const int64_t grid = (params.num_items + kMlaWarps - 1) / kMlaWarps;
   MLAKV_CHECK(grid <= 0x7fffffff, "mla_rope_cache: ", params.num_items,
               " work items exceed one launch");
-  mla_rope_cache_kernel<T, kFormat, QOut, kVec>
-      <<<static_cast<unsigned>(grid), kMlaThreads, 0, stream>>>(params);
-  MLAKV_CUDA_CHECK_LAUNCH("mla_rope_cache_kernel");
+  launch_kernel("mla_rope_cache_kernel", mla_rope_cache_kernel<T, kFormat, QOut, kVec>,
+                static_cast<unsigned>(grid), kMlaThreads, 0, launch, params);
 }
 
 }  // namespace cuda
@@ -622,9 +623,9 @@ void launch_mla_rope_cache_kernel(const MlaRopeCacheKernelParams& params, cudaSt
 // access widths.
 #define MLAKV_INSTANTIATE_MLA_ROPE_CACHE_QOUT(T, kFormat, QOut)                     \
   template void mlakv::cuda::launch_mla_rope_cache_kernel<T, kFormat, QOut, true>(  \
-      const mlakv::cuda::MlaRopeCacheKernelParams&, cudaStream_t);                  \
+      const mlakv::cuda::MlaRopeCacheKernelParams&, const Launch&);                 \
   template void mlakv::cuda::launch_mla_rope_cache_kernel<T, kFormat, QOut, false>( \
-      const mlakv::cuda::MlaRopeCacheKernelParams&, cudaStream_t);
+      const mlakv::cuda::MlaRopeCacheKernelParams&, const Launch&);
 #define MLAKV_INSTANTIATE_MLA_ROPE_CACHE(T, kFormat)                     \
   MLAKV_INSTANTIATE_MLA_ROPE_CACHE_QOUT(T, kFormat, T)                   \
   MLAKV_INSTANTIATE_MLA_ROPE_CACHE_QOUT(T, kFormat, mlakv::num::Fp8E4M3) \

@@ -7,12 +7,12 @@
 namespace mlakv {
 namespace cuda {
 
-template void launch_rms_norm_kernel<float, true>(const core::RmsNormArgs&, cudaStream_t);
-template void launch_rms_norm_kernel<float, false>(const core::RmsNormArgs&, cudaStream_t);
-template void launch_rms_norm_kernel<num::Half, true>(const core::RmsNormArgs&, cudaStream_t);
-template void launch_rms_norm_kernel<num::Half, false>(const core::RmsNormArgs&, cudaStream_t);
-template void launch_rms_norm_kernel<num::Bf16, true>(const core::RmsNormArgs&, cudaStream_t);
-template void launch_rms_norm_kernel<num::Bf16, false>(const core::RmsNormArgs&, cudaStream_t);
+template void launch_rms_norm_kernel<float, true>(const core::RmsNormArgs&, const Launch&);
+template void launch_rms_norm_kernel<float, false>(const core::RmsNormArgs&, const Launch&);
+template void launch_rms_norm_kernel<num::Half, true>(const core::RmsNormArgs&, const Launch&);
+template void launch_rms_norm_kernel<num::Half, false>(const core::RmsNormArgs&, const Launch&);
+template void launch_rms_norm_kernel<num::Bf16, true>(const core::RmsNormArgs&, const Launch&);
+template void launch_rms_norm_kernel<num::Bf16, false>(const core::RmsNormArgs&, const Launch&);
 
 void rms_norm(const core::RmsNormArgs& args, const Context& ctx) {
   if (args.num_tokens <= 0 || args.hidden <= 0) return;
@@ -23,12 +23,12 @@ void rms_norm(const core::RmsNormArgs& args, const Context& ctx) {
   v.ptr(args.output).stride(args.stride_output_token, elem);
   v.require(args.hidden % kChunkElems == 0);
   const bool vec = v.ok();
-  auto stream = static_cast<cudaStream_t>(ctx.stream);
+  const Launch launch = launch_of(ctx);
   MLAKV_MODEL_DTYPE_SWITCH(args.model_dtype, "input", T, [&] {
     if (vec) {
-      launch_rms_norm_kernel<T, true>(args, stream);
+      launch_rms_norm_kernel<T, true>(args, launch);
     } else {
-      launch_rms_norm_kernel<T, false>(args, stream);
+      launch_rms_norm_kernel<T, false>(args, launch);
     }
   });
 }

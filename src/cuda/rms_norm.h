@@ -9,7 +9,7 @@ namespace mlakv {
 namespace cuda {
 
 template <typename T, bool kVec>
-void launch_rms_norm_kernel(const core::RmsNormArgs& args, cudaStream_t stream);
+void launch_rms_norm_kernel(const core::RmsNormArgs& args, const Launch& launch);
 
 }  // namespace cuda
 }  // namespace mlakv

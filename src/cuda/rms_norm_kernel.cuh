@@ -31,6 +31,8 @@ constexpr int kRmsSlots = kRmsSegment / kChunkElems / kWarpSize;
 template <typename T, bool kVec>
 __global__ void __launch_bounds__(kRmsThreads)
     rms_norm_kernel(const __grid_constant__ core::RmsNormArgs a) {
+  pdl_wait();
+  pdl_launch_dependents();
   __shared__ __align__(16) T rows[kRmsWarps][kRmsSegment];
   const int lane = static_cast<int>(threadIdx.x) % kWarpSize;
   const int warp = static_cast<int>(threadIdx.x) / kWarpSize;
@@ -98,11 +100,11 @@ __global__ void __launch_bounds__(kRmsThreads)
 }
 
 template <typename T, bool kVec>
-void launch_rms_norm_kernel(const core::RmsNormArgs& args, cudaStream_t stream) {
+void launch_rms_norm_kernel(const core::RmsNormArgs& args, const Launch& launch) {
   const int64_t grid = (args.num_tokens + kRmsWarps - 1) / kRmsWarps;
   MLAKV_CHECK(grid <= 0x7fffffff, "rms_norm: ", args.num_tokens, " tokens exceed one launch");
-  rms_norm_kernel<T, kVec><<<static_cast<unsigned>(grid), kRmsThreads, 0, stream>>>(args);
-  MLAKV_CUDA_CHECK_LAUNCH("rms_norm_kernel");
+  launch_kernel("rms_norm_kernel", rms_norm_kernel<T, kVec>, static_cast<unsigned>(grid),
+                kRmsThreads, 0, launch, args);
 }
 
 }  // namespace cuda

@@ -46,19 +46,19 @@ void rmsnorm_quant(const core::RmsNormQuantArgs& args, const Context& ctx, int d
               num_blocks);
 
   DeviceGuard guard(device_index);
-  const auto stream = static_cast<cudaStream_t>(ctx.stream);
+  const Launch launch = launch_of(ctx);
   MLAKV_MODEL_DTYPE_SWITCH(args.model_dtype, "cuda::rmsnorm_quant: model_dtype", T, [&] {
     launch_rmsnorm_quant_kernel<T>(params, num_blocks, static_cast<int>(threads), smem_bytes,
-                                   stream);
+                                   launch);
   });
 }
 
 template void launch_rmsnorm_quant_kernel<num::Bf16>(const RmsNormQuantKernelParams&, int64_t, int,
-                                                     size_t, cudaStream_t);
+                                                     size_t, const Launch&);
 template void launch_rmsnorm_quant_kernel<num::Half>(const RmsNormQuantKernelParams&, int64_t, int,
-                                                     size_t, cudaStream_t);
+                                                     size_t, const Launch&);
 template void launch_rmsnorm_quant_kernel<float>(const RmsNormQuantKernelParams&, int64_t, int,
-                                                 size_t, cudaStream_t);
+                                                 size_t, const Launch&);
 
 }  // namespace cuda
 }  // namespace mlakv

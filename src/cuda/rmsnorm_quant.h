@@ -26,7 +26,7 @@ struct RmsNormQuantKernelParams {
 // kRmsqMaxChunksPerThread chunks per thread; `smem_bytes` = 4 * N of the widest normalizing task.
 template <typename T>
 void launch_rmsnorm_quant_kernel(const RmsNormQuantKernelParams& params, int64_t num_blocks,
-                                 int threads, size_t smem_bytes, cudaStream_t stream);
+                                 int threads, size_t smem_bytes, const Launch& launch);
 
 }  // namespace cuda
 }  // namespace mlakv

@@ -104,6 +104,8 @@ __global__ void __launch_bounds__(kRmsqMaxThreads)
     rmsnorm_quant_kernel(const __grid_constant__ RmsNormQuantKernelParams params) {
   extern __shared__ float sq[];  // [N] squares of the row (normalizing tasks only)
   __shared__ float s_inv;
+  pdl_wait();
+  pdl_launch_dependents();
 
   const bool second = static_cast<int64_t>(blockIdx.x) >= params.num_rows_first;
   // The task's fields once into registers (indexing the parameter block by a run-time task number
@@ -223,7 +225,7 @@ __global__ void __launch_bounds__(kRmsqMaxThreads)
 
 template <typename T>
 void launch_rmsnorm_quant_kernel(const RmsNormQuantKernelParams& params, int64_t num_blocks,
-                                 int threads, size_t smem_bytes, cudaStream_t stream) {
+                                 int threads, size_t smem_bytes, const Launch& launch) {
   // Rows wider than 12288 elements need more than the default 48 KB of dynamic shared memory.
   constexpr size_t kDefaultSmemBytes = 48 * 1024;
   if (smem_bytes > kDefaultSmemBytes) {
@@ -231,9 +233,9 @@ void launch_rmsnorm_quant_kernel(const RmsNormQuantKernelParams& params, int64_t
                                           cudaFuncAttributeMaxDynamicSharedMemorySize,
                                           static_cast<int>(smem_bytes)));
   }
-  rmsq::rmsnorm_quant_kernel<T>
-      <<<static_cast<unsigned>(num_blocks), threads, smem_bytes, stream>>>(params);
-  MLAKV_CUDA_CHECK_LAUNCH("rmsnorm_quant_kernel");
+  launch_kernel("rmsnorm_quant_kernel", rmsq::rmsnorm_quant_kernel<T>,
+                static_cast<unsigned>(num_blocks), static_cast<unsigned>(threads), smem_bytes,
+                launch, params);
 }
 
 }  // namespace cuda

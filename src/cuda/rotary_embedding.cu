@@ -9,16 +9,17 @@
 namespace mlakv {
 namespace cuda {
 
-template void launch_rotary_embedding_kernel<float, true>(const RotaryKernelParams&, cudaStream_t);
-template void launch_rotary_embedding_kernel<float, false>(const RotaryKernelParams&, cudaStream_t);
+template void launch_rotary_embedding_kernel<float, true>(const RotaryKernelParams&, const Launch&);
+template void launch_rotary_embedding_kernel<float, false>(const RotaryKernelParams&,
+                                                           const Launch&);
 template void launch_rotary_embedding_kernel<num::Half, true>(const RotaryKernelParams&,
-                                                              cudaStream_t);
+                                                              const Launch&);
 template void launch_rotary_embedding_kernel<num::Half, false>(const RotaryKernelParams&,
-                                                               cudaStream_t);
+                                                               const Launch&);
 template void launch_rotary_embedding_kernel<num::Bf16, true>(const RotaryKernelParams&,
-                                                              cudaStream_t);
+                                                              const Launch&);
 template void launch_rotary_embedding_kernel<num::Bf16, false>(const RotaryKernelParams&,
-                                                               cudaStream_t);
+                                                               const Launch&);
 
 void rotary_embedding(const core::RotaryEmbeddingArgs& args, const Context& ctx) {
   if (args.num_tokens <= 0) return;
@@ -43,12 +44,12 @@ void rotary_embedding(const core::RotaryEmbeddingArgs& args, const Context& ctx)
   v.ptr(args.query).stride(args.stride_query_token, elem).stride(args.stride_query_head, elem);
   v.ptr(args.key).stride(args.stride_key_token, elem).stride(args.stride_key_head, elem);
   const bool vec = v.ok();
-  auto stream = static_cast<cudaStream_t>(ctx.stream);
+  const Launch launch = launch_of(ctx);
   MLAKV_MODEL_DTYPE_SWITCH(args.model_dtype, "query", T, [&] {
     if (vec) {
-      launch_rotary_embedding_kernel<T, true>(p, stream);
+      launch_rotary_embedding_kernel<T, true>(p, launch);
     } else {
-      launch_rotary_embedding_kernel<T, false>(p, stream);
+      launch_rotary_embedding_kernel<T, false>(p, launch);
     }
   });
 }

@@ -22,7 +22,7 @@ struct RotaryKernelParams {
 };
 
 template <typename T, bool kVec>
-void launch_rotary_embedding_kernel(const RotaryKernelParams& params, cudaStream_t stream);
+void launch_rotary_embedding_kernel(const RotaryKernelParams& params, const Launch& launch);
 
 }  // namespace cuda
 }  // namespace mlakv

@@ -31,6 +31,8 @@ constexpr int kRotaryMaxPairsPerLane = 4;  // rot_dim <= 256
 template <typename T, bool kVec>
 __global__ void __launch_bounds__(kRotaryThreads)
     rotary_embedding_kernel(const __grid_constant__ RotaryKernelParams p) {
+  pdl_wait();
+  pdl_launch_dependents();
   const int lane = static_cast<int>(threadIdx.x) % kWarpSize;
   const int64_t item =
       static_cast<int64_t>(blockIdx.x) * kRotaryWarps + static_cast<int>(threadIdx.x) / kWarpSize;
@@ -96,14 +98,13 @@ __global__ void __launch_bounds__(kRotaryThreads)
 }
 
 template <typename T, bool kVec>
-void launch_rotary_embedding_kernel(const RotaryKernelParams& params, cudaStream_t stream) {
+void launch_rotary_embedding_kernel(const RotaryKernelParams& params, const Launch& launch) {
   if (params.num_items <= 0) return;
   const int64_t grid = (params.num_items + kRotaryWarps - 1) / kRotaryWarps;
   MLAKV_CHECK(grid <= 0x7fffffff, "rotary_embedding: ", params.num_items,
               " work items exceed one launch");
-  rotary_embedding_kernel<T, kVec>
-      <<<static_cast<unsigned>(grid), kRotaryThreads, 0, stream>>>(params);
-  MLAKV_CUDA_CHECK_LAUNCH("rotary_embedding_kernel");
+  launch_kernel("rotary_embedding_kernel", rotary_embedding_kernel<T, kVec>,
+                static_cast<unsigned>(grid), kRotaryThreads, 0, launch, params);
 }
 
 }  // namespace cuda
