@@ -111,10 +111,18 @@ stage_build() {
 }
 
 stage_test() {
-  if [[ ! -f $BUILD_DIR/CTestTestfile.cmake ]]; then  # prebuilt: the test binary itself
-    run_logged mlakv_tests "$LOGS/ctest.log" "$BUILD_DIR/mlakv_tests" --gtest_brief=1
+  if [[ ! -f $BUILD_DIR/CTestTestfile.cmake ]]; then  # prebuilt: the test binary, in 8 shards
+    run_logged mlakv_tests "$LOGS/ctest.log" bash -c '
+      for i in 0 1 2 3 4 5 6 7; do
+        GTEST_TOTAL_SHARDS=8 GTEST_SHARD_INDEX=$i OMP_NUM_THREADS=2 \
+          "$1/mlakv_tests" --gtest_brief=1 >"$2/shard$i.log" 2>&1 &
+      done
+      rc=0
+      for job in $(jobs -p); do wait "$job" || rc=1; done
+      cat "$2"/shard*.log
+      exit $rc' _ "$BUILD_DIR" "$LOGS"
     local rc=$?
-    grep -E "tests? ran|PASSED|FAILED" "$LOGS/ctest.log" | head -20 | tee -a "$SUMMARY"
+    grep -E "tests? ran|PASSED|FAILED" "$LOGS/ctest.log" | head -30 | tee -a "$SUMMARY"
     return $rc
   fi
   run_logged ctest "$LOGS/ctest.log" \
