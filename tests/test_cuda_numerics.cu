@@ -5,7 +5,11 @@
 //   divisors, and over random fp32 pairs;
 // - cuda::fp8x2_from_float (the hardware conversion) against num::from_float<Fp8>;
 // - cuda::encode_chunk (the kernels' fp8 quantization of 8 values, fast and exact paths) against
-//   num::quantize.
+//   num::quantize;
+// - the hardware bf16 / fp16 rounding (cvt.rn.bf16x2.f32 / cvt.rn.f16x2.f32) against
+//   num::from_float on all 2^32 floats but NaNs, and cuda::rotate_chunk (the fused kernel's RoPE
+//   of a chunk: that rounding on finite chunks, rotate_pair otherwise) against the host's
+//   num::rope_rotate + from_float.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -14,6 +18,7 @@
 #include <cstring>
 #include <iterator>
 #include <random>
+#include <type_traits>
 #include <vector>
 
 #include "common/numerics.h"
@@ -57,6 +62,50 @@ __global__ void encode_chunk_kernel(const num::Bf16* x, int64_t chunks, float sc
   for (int e = 0; e < cuda::kChunkElems; ++e) m.v[e] = x[i * cuda::kChunkElems + e];
   const cuda::Chunk<Fp8> q = cuda::encode_chunk<Fp8>(m, cuda::make_divisor(scale));
   for (int e = 0; e < cuda::kChunkElems; ++e) out[i * cuda::kChunkElems + e] = q.v[e].bits;
+}
+
+// Every float u = start .. start + n - 1 (bits), rounded by the hardware and by num::from_float
+// on the device: NaN inputs skipped (rotate_chunk never rounds one by the hardware), mismatches
+// counted, the first few recorded.
+template <typename T>
+__global__ void hardware_rounding_kernel(uint64_t start, uint64_t n, unsigned long long* bad,
+                                         uint32_t* first_bad) {
+  const uint64_t stride = static_cast<uint64_t>(gridDim.x) * blockDim.x;
+  for (uint64_t i = static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += stride) {
+    const uint32_t u = static_cast<uint32_t>(start + i);
+    const float f = __uint_as_float(u);
+    if (f != f) continue;
+    uint32_t w;
+    if constexpr (std::is_same_v<T, num::Bf16>) {
+      asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(w) : "f"(0.0f), "f"(f));
+    } else {
+      asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(w) : "f"(0.0f), "f"(f));
+    }
+    if ((w & 0xffffu) != num::from_float<T>(f).bits) {
+      const unsigned long long k = atomicAdd(bad, 1ull);
+      if (k < 4) first_bad[k] = u;
+    }
+  }
+}
+
+// rotate_chunk on chunk i of x by cos/sin columns cs[4 i .. 4 i + 3], sn[...].
+template <typename T>
+__global__ void rotate_chunk_kernel(const T* x, const float* cs, const float* sn, int64_t chunks,
+                                    T* out) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= chunks) return;
+  cuda::Chunk<T> m;
+  for (int e = 0; e < cuda::kChunkElems; ++e) m.v[e] = x[i * cuda::kChunkElems + e];
+  float c[4], s[4];
+  bool finite = true;
+  for (int j = 0; j < 4; ++j) {
+    c[j] = cs[4 * i + j];
+    s[j] = sn[4 * i + j];
+    finite &= isfinite(c[j]) && isfinite(s[j]);
+  }
+  const cuda::Chunk<T> r = cuda::rotate_chunk(m, c, s, finite);
+  for (int e = 0; e < cuda::kChunkElems; ++e) out[i * cuda::kChunkElems + e] = r.v[e];
 }
 
 bool has_gpu() {
@@ -278,6 +327,94 @@ TEST(CudaNumerics, Fp8E4M3ConversionMatchesHost) {
 TEST(CudaNumerics, Fp8E5M2ConversionMatchesHost) {
   if (!has_gpu()) GTEST_SKIP() << "no CUDA device visible";
   check_fp8_conversion<num::Fp8E5M2>("e5m2");
+}
+
+template <typename T>
+void check_hardware_rounding(const char* what) {
+  DeviceArray<unsigned long long> bad(1);
+  DeviceArray<uint32_t> first(4);
+  ASSERT_TRUE(bad.ptr && first.ptr);
+  TEST_CUDA_OK(cudaMemset(bad.ptr, 0, sizeof(unsigned long long)));
+  hardware_rounding_kernel<T><<<4096, 256>>>(0, uint64_t{1} << 32, bad.ptr, first.ptr);
+  TEST_CUDA_OK(cudaGetLastError());
+  unsigned long long count = 0;
+  uint32_t firsts[4] = {};
+  TEST_CUDA_OK(cudaMemcpy(&count, bad.ptr, sizeof(count), cudaMemcpyDeviceToHost));
+  TEST_CUDA_OK(cudaMemcpy(firsts, first.ptr, sizeof(firsts), cudaMemcpyDeviceToHost));
+  for (unsigned long long k = 0; k < count && k < 4; ++k) {
+    ADD_FAILURE() << what << ": float bits 0x" << std::hex << firsts[k] << std::dec
+                  << " rounds differently";
+  }
+  EXPECT_EQ(count, 0u) << what << ": all 2^32 floats but NaNs";
+}
+
+TEST(CudaNumerics, HardwareRoundingMatchesFromFloat) {
+  if (!has_gpu()) GTEST_SKIP() << "no CUDA device visible";
+  check_hardware_rounding<num::Bf16>("cvt.rn.bf16x2.f32");
+  check_hardware_rounding<num::Half>("cvt.rn.f16x2.f32");
+}
+
+// Random chunks and cos/sin with special values (NaN, +-inf, huge, subnormal, signed zeros) in
+// some of them, so that both rotate_chunk paths run: every element against the host's
+// rope_rotate + from_float (rotate_pair's definition).
+template <typename T>
+void check_rotate_chunk(const char* what) {
+  const float specials[] = {0.0f,   -0.0f, std::nanf(""), INFINITY, -INFINITY,
+                            1e-39f, 3e38f, -3e38f,        6e4f,     -65504.0f};
+  const int64_t chunks = 1 << 16;
+  std::mt19937 rng(13);
+  std::normal_distribution<float> normal(0.0f, 3.0f);
+  std::uniform_real_distribution<float> angle(-3.2f, 3.2f);
+  std::uniform_int_distribution<int> pick(0, 63);
+  std::vector<T> x(static_cast<size_t>(chunks) * 8);
+  std::vector<float> cs(static_cast<size_t>(chunks) * 4), sn(cs.size());
+  for (int64_t c = 0; c < chunks; ++c) {
+    for (int e = 0; e < 8; ++e) x[c * 8 + e] = num::from_float<T>(normal(rng));
+    for (int j = 0; j < 4; ++j) {
+      const float a = angle(rng);
+      cs[c * 4 + j] = std::cos(a) * 1.2f;  // a YaRN-like mscale above 1
+      sn[c * 4 + j] = std::sin(a) * 1.2f;
+    }
+    int k = pick(rng);  // a special element in about a sixth of the chunks
+    if (k < static_cast<int>(std::size(specials))) {
+      x[c * 8 + (pick(rng) % 8)] = num::from_float<T>(specials[k]);
+    }
+    k = pick(rng);  // a special table entry in fewer
+    if (k < 4) (k % 2 ? cs : sn)[c * 4 + (pick(rng) % 4)] = specials[2 + k];
+  }
+  DeviceArray<T> dx(x.size()), dout(x.size());
+  DeviceArray<float> dcs(cs.size()), dsn(sn.size());
+  ASSERT_TRUE(dx.ptr && dout.ptr && dcs.ptr && dsn.ptr);
+  TEST_CUDA_OK(cudaMemcpy(dx.ptr, x.data(), x.size() * sizeof(T), cudaMemcpyHostToDevice));
+  TEST_CUDA_OK(cudaMemcpy(dcs.ptr, cs.data(), cs.size() * sizeof(float), cudaMemcpyHostToDevice));
+  TEST_CUDA_OK(cudaMemcpy(dsn.ptr, sn.data(), sn.size() * sizeof(float), cudaMemcpyHostToDevice));
+  const int threads = 256;
+  rotate_chunk_kernel<T><<<static_cast<unsigned>((chunks + threads - 1) / threads), threads>>>(
+      dx.ptr, dcs.ptr, dsn.ptr, chunks, dout.ptr);
+  TEST_CUDA_OK(cudaGetLastError());
+  std::vector<T> out(x.size());
+  TEST_CUDA_OK(cudaMemcpy(out.data(), dout.ptr, out.size() * sizeof(T), cudaMemcpyDeviceToHost));
+  int64_t bad = 0;
+  for (int64_t c = 0; c < chunks; ++c) {
+    for (int j = 0; j < 4; ++j) {
+      float rx, ry;
+      num::rope_rotate(num::to_float(x[c * 8 + 2 * j]), num::to_float(x[c * 8 + 2 * j + 1]),
+                       cs[c * 4 + j], sn[c * 4 + j], rx, ry);
+      const uint16_t ex = num::from_float<T>(rx).bits, ey = num::from_float<T>(ry).bits;
+      if ((out[c * 8 + 2 * j].bits != ex || out[c * 8 + 2 * j + 1].bits != ey) && ++bad <= 5) {
+        ADD_FAILURE() << what << ": chunk " << c << " pair " << j << " -> device 0x" << std::hex
+                      << out[c * 8 + 2 * j].bits << " 0x" << out[c * 8 + 2 * j + 1].bits
+                      << ", host 0x" << ex << " 0x" << ey << std::dec;
+      }
+    }
+  }
+  EXPECT_EQ(bad, 0) << what << ": " << chunks << " chunks";
+}
+
+TEST(CudaNumerics, RotateChunkMatchesHost) {
+  if (!has_gpu()) GTEST_SKIP() << "no CUDA device visible";
+  check_rotate_chunk<num::Bf16>("rotate_chunk bf16");
+  check_rotate_chunk<num::Half>("rotate_chunk fp16");
 }
 
 }  // namespace

@@ -190,18 +190,22 @@ __device__ __forceinline__ Dst encode(T m, const Divisor& scale) {
 // Element by element (divide() picks the path of each): the form for register-tight callers.
 template <typename Dst, typename T>
 __device__ __forceinline__ Chunk<Dst> encode_chunk_each(const Chunk<T>& m, const Divisor& scale) {
-  Chunk<Dst> out;
-  if constexpr (kIsFp8<Dst> && !std::is_same_v<Dst, T>) {
+  if constexpr (std::is_same_v<Dst, T>) {
+    return m;  // as one value: rebuilt element by element, a 16-byte store became four
+  } else if constexpr (kIsFp8<Dst>) {
+    Chunk<Dst> out;
 #pragma unroll
     for (int e = 0; e < kChunkElems; e += 2) {
       fp8x2_from_float(divide(num::to_float(m.v[e]), scale),
                        divide(num::to_float(m.v[e + 1]), scale), out.v[e], out.v[e + 1]);
     }
+    return out;
   } else {
+    Chunk<Dst> out;
 #pragma unroll
     for (int e = 0; e < kChunkElems; ++e) out.v[e] = encode<Dst>(m.v[e], scale);
+    return out;
   }
-  return out;
 }
 
 // The fp8 forms are num::quantize's cvt(x / scale). When every element and the scale are in the
@@ -226,6 +230,11 @@ __device__ __forceinline__ uint32_t bf16x2_absmax_nan(uint32_t a, uint32_t b) {
 __device__ __forceinline__ uint32_t bf16x2_absmin_nan(uint32_t a, uint32_t b) {
   uint32_t r;
   asm("min.NaN.xorsign.abs.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+  return r;
+}
+__device__ __forceinline__ uint32_t f16x2_absmax_nan(uint32_t a, uint32_t b) {
+  uint32_t r;
+  asm("max.NaN.xorsign.abs.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
   return r;
 }
 // Four floats to four e4m3 / e5m2 bytes (byte e = value e), bare satfinite conversion.
@@ -301,6 +310,68 @@ __device__ __forceinline__ Chunk<Dst> encode_chunk(const Chunk<T>& m, const Divi
 #else
   return encode_chunk_each<Dst>(m, scale);
 #endif
+}
+
+// ---- RoPE of a chunk of adjacent pairs ---------------------------------------------------------
+// Whether every element of a 16-bit chunk's word is finite: the largest magnitude of its halves
+// (NaN if one is, bf16x2 / f16x2 max.NaN) below inf's (bf16 0x7f80, fp16 0x7c00): bit 15 of a
+// half of (magnitude + k) is set iff the magnitude reaches inf's.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+template <typename T>
+__device__ __forceinline__ bool words_finite(const uint4& w) {
+  constexpr bool kBf16 = std::is_same_v<T, num::Bf16>;
+  const uint32_t m =
+      kBf16 ? bf16x2_absmax_nan(bf16x2_absmax_nan(w.x, w.y), bf16x2_absmax_nan(w.z, w.w))
+            : f16x2_absmax_nan(f16x2_absmax_nan(w.x, w.y), f16x2_absmax_nan(w.z, w.w));
+  constexpr uint32_t k = kBf16 ? 0x00800080u : 0x04000400u;
+  return (((m & 0x7fff7fffu) + k) & 0x80008000u) == 0u;
+}
+#endif
+
+// RoPE of a chunk's four adjacent (GPT-J) pairs, pair j = elements (2j, 2j + 1) by cos/sin
+// (c[j], s[j]), each rounded once to T: rotate_pair's operations and bits. `table_finite`: every
+// c[j], s[j] is finite (the caller tests its columns once).
+// For bf16 / fp16 on sm_89+, a chunk of finite elements with finite cos/sin rounds by the hardware
+// conversion two at a time (cvt.rn.bf16x2.f32 / cvt.rn.f16x2.f32: round to nearest even with
+// subnormals and overflow to inf, num::from_float's rounding of every non-NaN float; test
+// CudaNumerics.HardwareRoundingMatchesFromFloat checks all 2^32 of them). Such a chunk rotates to
+// no NaN: an fma of finite x, c and an addend of +-inf is that infinity, and nothing else can be
+// NaN; so the canonical-NaN rule of from_float, which the hardware need not follow, never applies.
+// Any other chunk takes rotate_pair itself.
+template <typename T>
+__device__ __forceinline__ Chunk<T> rotate_chunk(const Chunk<T>& m, const float (&c)[4],
+                                                 const float (&s)[4], bool table_finite) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  constexpr bool kBf16 = std::is_same_v<T, num::Bf16>;
+  if constexpr (kBf16 || std::is_same_v<T, num::Half>) {
+    detail::ChunkBits<T> u;
+    u.c = m;
+    if (table_finite && words_finite<T>(u.w[0])) {
+      uint32_t w[4] = {u.w[0].x, u.w[0].y, u.w[0].z, u.w[0].w};
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        float x, y;
+        num::rope_rotate(num::to_float(m.v[2 * j]), num::to_float(m.v[2 * j + 1]), c[j], s[j], x,
+                         y);
+        if constexpr (kBf16) {  // the low half (element 2j) from x
+          asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(w[j]) : "f"(y), "f"(x));
+        } else {
+          asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(w[j]) : "f"(y), "f"(x));
+        }
+      }
+      u.w[0] = make_uint4(w[0], w[1], w[2], w[3]);
+      return u.c;
+    }
+  }
+#endif
+  Chunk<T> out = m;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const Pair<T> r = rotate_pair(Pair<T>{m.v[2 * j], m.v[2 * j + 1]}, c[j], s[j]);
+    out.v[2 * j] = r.x;
+    out.v[2 * j + 1] = r.y;
+  }
+  return out;
 }
 
 template <typename Dst, typename T>

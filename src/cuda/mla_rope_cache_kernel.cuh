@@ -401,6 +401,9 @@ __device__ __forceinline__ void rope_item_chunked(const MlaRopeCacheKernelParams
       sn[j] = load_table(a.rope, pos, half + c * kPairs + j);
     }
   }
+  bool table_finite = true;  // rotate_chunk's fast path
+#pragma unroll
+  for (int j = 0; j < kPairs; ++j) table_finite &= isfinite(cs[j]) && isfinite(sn[j]);
   const Divisor q_div = make_divisor(q_scale);  // fp8 q_out only
   // This lane's own chunks have landed after the wait.
   cp_async_wait_all();
@@ -410,14 +413,7 @@ __device__ __forceinline__ void rope_item_chunked(const MlaRopeCacheKernelParams
     const int64_t h = h0 + s * hps + lane / cph;
     if (h < H) {
       Chunk<T> m = stage[s * kWarpSize + lane];
-      if (p.apply_rope) {
-#pragma unroll
-        for (int j = 0; j < kPairs; ++j) {
-          const Pair<T> r = rotate_pair(Pair<T>{m.v[2 * j], m.v[2 * j + 1]}, cs[j], sn[j]);
-          m.v[2 * j] = r.x;
-          m.v[2 * j + 1] = r.y;
-        }
-      }
+      if (p.apply_rope) m = rotate_chunk(m, cs, sn, table_finite);
       if (decode) {
         store_chunk<true>(rope_dst<QOut>(a, true, t, h) + e0, encode_chunk<QOut>(m, q_div),
                           kChunkElems);
