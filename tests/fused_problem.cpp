@@ -268,6 +268,11 @@ std::vector<int32_t> FusedProblem::run_library(bool checked) {
   Context ctx;
   ctx.error_counts = counts.device_ptr();
   ctx.checked = checked;
+  launch(ctx);
+  return counts.read();
+}
+
+void FusedProblem::launch(const Context& ctx) const {
   const MlaRopeCacheParams p = params(false);
   switch (spec.entry) {
     case Entry::kFused:
@@ -283,7 +288,6 @@ std::vector<int32_t> FusedProblem::run_library(bool checked) {
       mla_rope_cache_mixed(p, ctx);
       break;
   }
-  return counts.read();
 }
 
 void FusedProblem::expect_matches() const {

@@ -84,6 +84,8 @@ class FusedProblem {
   std::vector<int32_t> run_reference();
   // Runs the library on the device copies; returns its counters.
   std::vector<int32_t> run_library(bool checked = false);
+  // Launches the spec's entry point on the device copies with `ctx` (no counters read back).
+  void launch(const Context& ctx) const;
   // Compares every buffer with its host mirror (reference output), checks the cache sentinel and
   // that inputs are unchanged.
   void expect_matches() const;

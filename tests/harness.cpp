@@ -161,6 +161,28 @@ void set_scalar_f32(const Tensor& tensor, float value) {
   std::memcpy(tensor.buffer->host.data() + tensor.byte_offset({0}), &value, 4);
 }
 
+Tensor random_tensor(Device device, DType dtype, std::vector<int64_t> shape, std::mt19937_64& rng,
+                     float amplitude) {
+  Tensor t = new_tensor(device, dtype, std::move(shape));
+  fill_random(*t.buffer, dtype, rng, amplitude);
+  t.buffer->upload();
+  return t;
+}
+
+Tensor poisoned_tensor(Device device, DType dtype, std::vector<int64_t> shape) {
+  Tensor t = new_tensor(device, dtype, std::move(shape));
+  fill_bytes(*t.buffer, kPoisonByte);
+  t.buffer->upload();
+  return t;
+}
+
+Tensor index_tensor(Device device, DType dtype, const std::vector<int64_t>& values) {
+  Tensor t = new_tensor(device, dtype, {static_cast<int64_t>(values.size())});
+  set_indices(t, values);
+  t.buffer->upload();
+  return t;
+}
+
 // ---- comparisons -------------------------------------------------------------------------------
 namespace {
 uint32_t load_bits(const uint8_t* p, int bytes) {

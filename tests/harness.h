@@ -94,6 +94,12 @@ void fill_bytes(Buffer& buffer, uint8_t byte);
 // 1-d int tensor (int32 / int64) set from values; the rest of the buffer keeps its contents.
 void set_indices(const Tensor& tensor, const std::vector<int64_t>& values);
 void set_scalar_f32(const Tensor& tensor, float value);
+// Contiguous tensors with their own buffers, filled on the host and uploaded: random values
+// (fill_random), the poison byte (an output), or a 1-d int32 / int64 index tensor of `values`.
+Tensor random_tensor(Device device, DType dtype, std::vector<int64_t> shape, std::mt19937_64& rng,
+                     float amplitude = 2.0f);
+Tensor poisoned_tensor(Device device, DType dtype, std::vector<int64_t> shape);
+Tensor index_tensor(Device device, DType dtype, const std::vector<int64_t>& values);
 
 // ---- comparisons -------------------------------------------------------------------------------
 // A part of a buffer compared element-wise with a tolerance in code steps (ordered-integer distance

@@ -19,28 +19,6 @@ namespace {
 
 const std::string kNoErrors = counts_to_string(std::vector<int32_t>(kNumErrorCounters, 0));
 
-Tensor random_tensor(Device dev, DType dtype, std::vector<int64_t> shape, std::mt19937_64& rng) {
-  Tensor t = new_tensor(dev, dtype, std::move(shape));
-  fill_random(*t.buffer, dtype, rng);
-  t.buffer->upload();
-  return t;
-}
-
-Tensor poisoned_tensor(Device dev, DType dtype, std::vector<int64_t> shape) {
-  Tensor t = new_tensor(dev, dtype, std::move(shape));
-  fill_bytes(*t.buffer, kPoisonByte);
-  t.buffer->upload();
-  return t;
-}
-
-// Indices that would be valid (and would write or read something) if a row were processed.
-Tensor index_tensor(Device dev, DType dtype, const std::vector<int64_t>& values) {
-  Tensor t = new_tensor(dev, dtype, {static_cast<int64_t>(values.size())});
-  set_indices(t, values);
-  t.buffer->upload();
-  return t;
-}
-
 TestCache sentinel_cache(Device dev) {
   TestCache cache = new_cache(dev, CacheGeometry{});
   cache.data->upload();

@@ -17,25 +17,6 @@ namespace {
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-Tensor random_tensor(Device dev, DType dtype, std::vector<int64_t> shape, std::mt19937_64& rng,
-                     float amplitude = 2.0f) {
-  Tensor t = new_tensor(dev, dtype, std::move(shape));
-  fill_random(*t.buffer, dtype, rng, amplitude);
-  return t;
-}
-
-Tensor poisoned_tensor(Device dev, DType dtype, std::vector<int64_t> shape) {
-  Tensor t = new_tensor(dev, dtype, std::move(shape));
-  fill_bytes(*t.buffer, kPoisonByte);
-  return t;
-}
-
-Tensor index_tensor(Device dev, DType dtype, const std::vector<int64_t>& values) {
-  Tensor t = new_tensor(dev, dtype, {static_cast<int64_t>(values.size())});
-  set_indices(t, values);
-  return t;
-}
-
 Tensor cos_sin_table(Device dev, DType dtype, int64_t max_pos, int64_t rot_dim,
                      std::mt19937_64& rng) {
   Tensor t = new_tensor(dev, dtype, {max_pos, rot_dim});
