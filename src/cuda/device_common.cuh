@@ -272,6 +272,40 @@ __device__ __noinline__ uint2 encode_chunk_exact_words(const Chunk<T> m, const f
   return u.w[0];
 }
 
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+// encode_chunk's bf16 -> fp8 form on the chunk's word: the two words of the fp8 chunk. Callers
+// that hold the chunk as its word (rmsnorm_quant_kernel) call it directly, so the chunk is never
+// taken apart into 16-bit fields and put together again.
+template <typename Dst>
+__device__ __forceinline__ uint2 encode_bf16_chunk_word(const uint4 w, const Divisor& scale) {
+  static_assert(kIsFp8<Dst>, "fp8 destinations only");
+  // Magnitude range of the chunk: every |x| in [2^-60, 2^60] (bf16 0x2180 .. 0x5d80), no NaN.
+  const uint32_t mx =
+      bf16x2_absmax_nan(bf16x2_absmax_nan(w.x, w.y), bf16x2_absmax_nan(w.z, w.w)) & 0x7fff7fffu;
+  const uint32_t mn =
+      bf16x2_absmin_nan(bf16x2_absmin_nan(w.x, w.y), bf16x2_absmin_nan(w.z, w.w)) & 0x7fff7fffu;
+  // Bit 15 of each half: (mx + 0x227f) set iff mx > 0x5d80; (mn + 0x5e80) clear iff mn < 0x2180.
+  const uint32_t bad = ((mx + 0x227f227fu) | ~(mn + 0x5e805e80u)) & 0x80008000u;
+  uint2 out;  // the two words of the fp8 chunk
+  if (!(scale.fast && bad == 0u)) {
+    detail::ChunkBits<num::Bf16> m;
+    m.w[0] = w;
+    out = encode_chunk_exact_words<Dst>(m.c, scale.b);
+  } else {
+    const uint32_t words[4] = {w.x, w.y, w.z, w.w};
+    float q[kChunkElems];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      q[2 * i] = divide_fast(__uint_as_float(words[i] << 16), scale);
+      q[2 * i + 1] = divide_fast(__uint_as_float(words[i] & 0xffff0000u), scale);
+    }
+    out = make_uint2(cvt_fp8x4_satfinite<Dst>(q[0], q[1], q[2], q[3]),
+                     cvt_fp8x4_satfinite<Dst>(q[4], q[5], q[6], q[7]));
+  }
+  return out;
+}
+#endif
+
 template <typename Dst, typename T>
 __device__ __forceinline__ Chunk<Dst> encode_chunk(const Chunk<T>& m, const Divisor& scale) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
@@ -279,30 +313,8 @@ __device__ __forceinline__ Chunk<Dst> encode_chunk(const Chunk<T>& m, const Divi
     static_assert(sizeof(Chunk<Dst>) == sizeof(uint2), "fp8 chunk: 8 bytes");
     detail::ChunkBits<T> in;
     in.c = m;
-    const uint4 w = in.w[0];
-    // Magnitude range of the chunk: every |x| in [2^-60, 2^60] (bf16 0x2180 .. 0x5d80), no NaN.
-    const uint32_t mx =
-        bf16x2_absmax_nan(bf16x2_absmax_nan(w.x, w.y), bf16x2_absmax_nan(w.z, w.w)) & 0x7fff7fffu;
-    const uint32_t mn =
-        bf16x2_absmin_nan(bf16x2_absmin_nan(w.x, w.y), bf16x2_absmin_nan(w.z, w.w)) & 0x7fff7fffu;
-    // Bit 15 of each half: (mx + 0x227f) set iff mx > 0x5d80; (mn + 0x5e80) clear iff mn < 0x2180.
-    const uint32_t bad = ((mx + 0x227f227fu) | ~(mn + 0x5e805e80u)) & 0x80008000u;
-    uint2 out;  // the two words of the fp8 chunk
-    if (!(scale.fast && bad == 0u)) {
-      out = encode_chunk_exact_words<Dst>(m, scale.b);
-    } else {
-      const uint32_t words[4] = {w.x, w.y, w.z, w.w};
-      float q[kChunkElems];
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        q[2 * i] = divide_fast(__uint_as_float(words[i] << 16), scale);
-        q[2 * i + 1] = divide_fast(__uint_as_float(words[i] & 0xffff0000u), scale);
-      }
-      out = make_uint2(cvt_fp8x4_satfinite<Dst>(q[0], q[1], q[2], q[3]),
-                       cvt_fp8x4_satfinite<Dst>(q[4], q[5], q[6], q[7]));
-    }
     detail::ChunkBits<Dst> u;
-    u.w[0] = out;
+    u.w[0] = encode_bf16_chunk_word<Dst>(in.w[0], scale);
     return u.c;
   } else {
     return encode_chunk_each<Dst>(m, scale);

@@ -26,13 +26,13 @@ void rmsnorm_quant(const core::RmsNormQuantArgs& args, const Context& ctx, int d
   // Threads: the widest row in at most kRmsqMaxChunksPerThread chunks a thread, at least two
   // warps (N = 512: 64 threads, one chunk each; N = 1536: 64 x 3; N = 7168: 224 x 4).
   int64_t max_chunks = 0;
-  size_t smem_bytes = 0;
+  int64_t max_norm_hidden = 0;
   for (int i = 0; i < args.num_tasks; ++i) {
     const core::RmsNormQuantTask& task = args.tasks[i];
     if (task.num_tokens == 0) continue;
     max_chunks = std::max(max_chunks, task.hidden / kChunkElems);
     if (task.weight != nullptr) {
-      smem_bytes = std::max(smem_bytes, static_cast<size_t>(task.hidden) * sizeof(float));
+      max_norm_hidden = std::max(max_norm_hidden, task.hidden);
     }
   }
   int64_t threads = (max_chunks + kRmsqMaxChunksPerThread - 1) / kRmsqMaxChunksPerThread;
@@ -48,17 +48,17 @@ void rmsnorm_quant(const core::RmsNormQuantArgs& args, const Context& ctx, int d
   DeviceGuard guard(device_index);
   const Launch launch = launch_of(ctx);
   MLAKV_MODEL_DTYPE_SWITCH(args.model_dtype, "cuda::rmsnorm_quant: model_dtype", T, [&] {
-    launch_rmsnorm_quant_kernel<T>(params, num_blocks, static_cast<int>(threads), smem_bytes,
+    launch_rmsnorm_quant_kernel<T>(params, num_blocks, static_cast<int>(threads), max_norm_hidden,
                                    launch);
   });
 }
 
 template void launch_rmsnorm_quant_kernel<num::Bf16>(const RmsNormQuantKernelParams&, int64_t, int,
-                                                     size_t, const Launch&);
+                                                     int64_t, const Launch&);
 template void launch_rmsnorm_quant_kernel<num::Half>(const RmsNormQuantKernelParams&, int64_t, int,
-                                                     size_t, const Launch&);
+                                                     int64_t, const Launch&);
 template void launch_rmsnorm_quant_kernel<float>(const RmsNormQuantKernelParams&, int64_t, int,
-                                                 size_t, const Launch&);
+                                                 int64_t, const Launch&);
 
 }  // namespace cuda
 }  // namespace mlakv

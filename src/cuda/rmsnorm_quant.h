@@ -17,16 +17,30 @@ namespace cuda {
 constexpr int kRmsqMaxThreads = 1024;
 constexpr int kRmsqMaxChunksPerThread = 4;
 
+// 16-bit model dtypes stage the weight row in shared memory while the row loads (cp.async:
+// holding it in registers would spill under the 64-register cap of 1024-thread blocks); fp32 rows
+// read it after the sum.
+template <typename T>
+constexpr bool kRmsqStagesWeight = sizeof(T) == 2;
+
+// Dynamic shared memory of a block whose widest normalizing row has N elements: the row's fp32
+// squares, then the staged weight.
+template <typename T>
+constexpr size_t rmsq_smem_bytes(int64_t N) {
+  return static_cast<size_t>(N) * (sizeof(float) + (kRmsqStagesWeight<T> ? sizeof(T) : 0));
+}
+
 struct RmsNormQuantKernelParams {
   core::RmsNormQuantTask tasks[2];  // validated; tasks[1] unused unless the dual form
   int64_t num_rows_first = 0;       // blocks [0, num_rows_first) take tasks[0], the rest tasks[1]
 };
 
 // One block per row of either task; `threads` a multiple of 32 that covers the widest row in
-// kRmsqMaxChunksPerThread chunks per thread; `smem_bytes` = 4 * N of the widest normalizing task.
+// kRmsqMaxChunksPerThread chunks per thread; `max_norm_hidden` = N of the widest normalizing task
+// (0: none normalizes).
 template <typename T>
 void launch_rmsnorm_quant_kernel(const RmsNormQuantKernelParams& params, int64_t num_blocks,
-                                 int threads, size_t smem_bytes, const Launch& launch);
+                                 int threads, int64_t max_norm_hidden, const Launch& launch);
 
 }  // namespace cuda
 }  // namespace mlakv

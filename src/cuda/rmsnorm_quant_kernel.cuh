@@ -13,23 +13,35 @@
 //         (G = 128: 16 lanes, 256 bytes of bf16 in, 128 bytes of e4m3 out)
 //
 // Phases of a block:
-//   1. load the chunks (16-byte accesses); with a residual, s = round(x + residual) is stored back
-//      into the residual; with a weight, the squares s*s go to shared memory sq[N];
-//   2. warp 0: lane k < 16 sums sq[k], sq[k + 16], ... in order, then the 16 partial sums are
-//      combined pairwise: exactly the CPU backend's order, so CPU and CUDA agree bit for bit;
-//   3. y = round((s * inv) * w) per chunk (16-byte weight loads through the read-only path), the
-//      normalized row streamed out (normed_out), the group amax reduced over the group's lanes by
-//      xor shuffles, scale = group_scale(amax), e4m3(y / scale) streamed out 8 bytes a lane, and
-//      the group's first lane stores the scale at t * stride_scales_token + g * stride_scales_group
-//      (row- or column-major).
+//   1. a: every load of the thread's chunks at once (16-byte accesses: x, the residual of bf16
+//      rows, and for 16-bit rows the weight chunks copied into shared memory by cp.async, which
+//      holds no registers), so that a row waits for one memory round trip before its sum;
+//      b: with a residual, s = round(x + residual) is stored back into the residual; with a
+//      weight, the squares s*s go to shared memory sq[N];
+//   2. warp 0 (ordered_sum_of_squares): lane k < 16 sums sq[k], sq[k + 16], ... in order (16 reads
+//      issued ahead of their adds), then the 16 partial sums are combined pairwise: exactly the
+//      CPU backend's order, so CPU and CUDA agree bit for bit; lane 0 stores rms_inv;
+//   3. y = round((s * inv) * w) per chunk (w from shared memory, or for fp32 rows 16-byte
+//      read-only loads), the normalized row streamed out (normed_out), the group amax reduced
+//      over the group's lanes by five xor shuffles (offsets outside the group masked to 0),
+//      scale = group_scale(amax), e4m3(y / scale) streamed out 8 bytes a lane, and the group's
+//      first lane stores the scale at t * stride_scales_token + g * stride_scales_group (row- or
+//      column-major; g steps by threads / lanes_per_group from one chunk of a thread to the next).
+// Chunks are held as their 16-byte words (Bits<T>) from load to store; bf16 elements are formed
+// from the words (bits << 16, bits & 0xffff0000) and packed back by cvt.rn.bf16x2.
 // Stores use the streaming (evict-first) hint: the outputs are read by the next kernel, not this
-// one. normed_out may be the input itself: every element is read (phase 1) before it is written
+// one. normed_out may be the input itself: every element is read (phase 1a) before it is written
 // (phase 3) by the same thread.
 //
-// Numerics: src/common/numerics.h for the arithmetic (mul_rn, add_rn, div_rn, rms_inv, rms_apply);
-// the roundings use the hardware conversions, which are round-to-nearest-even like num::from_float
-// (cvt.rn.bf16x2 / f16x2), and the quantization is the fused kernel's encode_chunk
-// (device_common.cuh), so the bytes equal num::quantize's.
+// Shared memory (normalizing tasks): [N] fp32 squares, then for 16-bit rows [N] T the weight
+// (rmsq_smem_bytes, rmsnorm_quant.h).
+//
+// Numerics: src/common/numerics.h for the arithmetic (mul_rn, add_rn, rms_inv, rms_apply,
+// group_scale); the roundings use the hardware conversions, which are round-to-nearest-even like
+// num::from_float (cvt.rn.bf16x2 / f16x2), amax is num::amax_update written as fmaxf (equal for
+// inputs >= +0, see the loop), and the quantization is the fused kernel's encode_chunk
+// (device_common.cuh; for bf16 its word form encode_bf16_chunk_word), so the bytes equal
+// num::quantize's.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -77,33 +89,146 @@ __device__ __forceinline__ void round2(float a, float b, T& ra, T& rb) {
   }
 }
 
-// ---- 16-byte accesses ------------------------------------------------------------------------
+// ---- chunks as words ---------------------------------------------------------------------------
+// The kernel holds a chunk as the words it is loaded and stored as (Bits: one uint4 for 16-bit
+// types, two for fp32): taken apart into 16-bit fields, a bf16 chunk would cost a split and a
+// re-pack (12 instructions) on the way from its load to its arithmetic.
+template <typename T>
+using Bits = cuda::detail::ChunkBits<T>;
+template <typename T>
+using Word = cuda::detail::ChunkWord<T>;
+template <typename T>
+constexpr int kWords = cuda::detail::kChunkWords<T>;
+
+template <typename T>
+__device__ __forceinline__ Bits<T> load_bits(const T* src) {
+  Bits<T> u;
+#pragma unroll
+  for (int i = 0; i < kWords<T>; ++i) u.w[i] = reinterpret_cast<const Word<T>*>(src)[i];
+  return u;
+}
 // Weight chunks: read-only for the kernel's lifetime and shared by every block.
 template <typename T>
-__device__ __forceinline__ Chunk<T> load_chunk_ro(const T* src) {
-  cuda::detail::ChunkBits<T> u;
-  const auto* words = reinterpret_cast<const cuda::detail::ChunkWord<T>*>(src);
+__device__ __forceinline__ Bits<T> load_bits_ro(const T* src) {
+  Bits<T> u;
 #pragma unroll
-  for (int i = 0; i < cuda::detail::kChunkWords<T>; ++i) u.w[i] = __ldg(words + i);
-  return u.c;
+  for (int i = 0; i < kWords<T>; ++i) u.w[i] = __ldg(reinterpret_cast<const Word<T>*>(src) + i);
+  return u;
+}
+template <typename T>
+__device__ __forceinline__ void store_bits(T* dst, const Bits<T>& u) {
+#pragma unroll
+  for (int i = 0; i < kWords<T>; ++i) reinterpret_cast<Word<T>*>(dst)[i] = u.w[i];
+}
+// Streaming (evict-first) stores: the outputs are read by the next kernel, not this one.
+template <typename T>
+__device__ __forceinline__ void store_bits_cs(T* dst, const Bits<T>& u) {
+#pragma unroll
+  for (int i = 0; i < kWords<T>; ++i) __stcs(reinterpret_cast<Word<T>*>(dst) + i, u.w[i]);
 }
 
-// Streaming (evict-first) stores of a chunk.
+// The eight elements of a chunk as floats (exact). bf16 straight from the words (bits << 16 and
+// bits & 0xffff0000: the bits of num::to_float), one operation an element.
 template <typename T>
-__device__ __forceinline__ void store_chunk_cs(T* dst, const Chunk<T>& c) {
-  cuda::detail::ChunkBits<T> u;
-  u.c = c;
-  auto* words = reinterpret_cast<cuda::detail::ChunkWord<T>*>(dst);
+__device__ __forceinline__ void unpack_chunk(const Bits<T>& u, float (&f)[kChunkElems]) {
+  if constexpr (std::is_same_v<T, num::Bf16>) {
+    const uint32_t words[4] = {u.w[0].x, u.w[0].y, u.w[0].z, u.w[0].w};
 #pragma unroll
-  for (int i = 0; i < cuda::detail::kChunkWords<T>; ++i) __stcs(words + i, u.w[i]);
+    for (int k = 0; k < 4; ++k) {
+      f[2 * k] = __uint_as_float(words[k] << 16);
+      f[2 * k + 1] = __uint_as_float(words[k] & 0xffff0000u);
+    }
+  } else {
+#pragma unroll
+    for (int k = 0; k < kChunkElems; ++k) f[k] = to_f(u.c.v[k]);
+  }
+}
+
+// Eight floats rounded to the model dtype (round-to-nearest-even, as num::from_float), a packed
+// pair at a time.
+template <typename T>
+__device__ __forceinline__ Bits<T> pack_chunk_rn(const float (&f)[kChunkElems]) {
+  Bits<T> u;
+  if constexpr (std::is_same_v<T, num::Bf16>) {
+    uint32_t words[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const __nv_bfloat162 r = __floats2bfloat162_rn(f[2 * k], f[2 * k + 1]);  // .x: low half
+      words[k] = *reinterpret_cast<const uint32_t*>(&r);
+    }
+    u.w[0] = make_uint4(words[0], words[1], words[2], words[3]);
+  } else {
+#pragma unroll
+    for (int k = 0; k < kChunkElems; k += 2) round2<T>(f[k], f[k + 1], u.c.v[k], u.c.v[k + 1]);
+  }
+  return u;
 }
 
 // ---- the kernel ------------------------------------------------------------------------------
+// Sum of the squares in sq[0, N) (sq[i] = square of element i) in the CPU backend's order:
+// partial sum k < 16 adds sq[k], sq[k + 16], ... one after the other, then the 16 partial sums
+// are combined pairwise. Lanes >= 16 of the warp only join the combination. Sixteen reads are
+// issued ahead of their (ordered) additions; N / 16 is a multiple of 16 for every DeepSeek row
+// (1536, 512, 7168), so the one-at-a-time tail is rare. The result is valid in lane 0.
+__device__ __forceinline__ float ordered_sum_of_squares(const float* sq, int N, int lane) {
+  float acc = 0.0f;
+  if (lane < kSumLanes) {
+    constexpr int kAhead = 16;
+    const int n = (N + kSumLanes - 1 - lane) / kSumLanes;  // elements of partial sum `lane`
+    const float* p = sq + lane;
+    int j = 0;
+#pragma unroll 1
+    for (; j + kAhead <= n; j += kAhead, p += kAhead * kSumLanes) {
+      float v[kAhead];
+#pragma unroll
+      for (int k = 0; k < kAhead; ++k) v[k] = p[k * kSumLanes];
+#pragma unroll
+      for (int k = 0; k < kAhead; ++k) acc = num::add_rn(acc, v[k]);
+    }
+#pragma unroll 1
+    for (; j < n; ++j, p += kSumLanes) acc = num::add_rn(acc, *p);
+  }
+  return combine_partial_sums(acc, lane);
+}
+
+// The e4m3 bytes of a chunk as two words: the fused kernel's quantization (device_common.cuh
+// encode_chunk: the bits of num::quantize, one range test per chunk on its fast path), for bf16
+// straight from the chunk's word.
+template <typename T>
+__device__ __forceinline__ uint2 encode_e4m3(const Bits<T>& y, float scale) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  if constexpr (std::is_same_v<T, num::Bf16>) {
+    return encode_bf16_chunk_word<num::Fp8E4M3>(y.w[0], make_divisor(scale));
+  } else  // NOLINT(readability/braces)
+#endif
+  {
+    cuda::detail::ChunkBits<num::Fp8E4M3> bytes;
+    bytes.c = encode_chunk<num::Fp8E4M3>(y.c, make_divisor(scale));
+    return bytes.w[0];
+  }
+}
+
+// Max over the lanes of an aligned group of 2^k lanes (device_common.cuh group_max) without
+// branches or predicates: level l shuffles with the xor offset (16 >> l) & (lanes_per_group - 1),
+// which is 0 (the lane's own value, a no-op for max) for the levels wider than the group, so the
+// five levels are two instructions each. The inputs are >= +0 and never NaN, so fmaxf is
+// `other > v ? other : v`, and the result is order-free.
+__device__ __forceinline__ float group_max_xor(float v, const int (&offsets)[5]) {
+#pragma unroll
+  for (int l = 0; l < 5; ++l) v = fmaxf(v, __shfl_xor_sync(kFullMask, v, offsets[l]));
+  return v;
+}
+
 template <typename T>
 __global__ void __launch_bounds__(kRmsqMaxThreads)
     rmsnorm_quant_kernel(const __grid_constant__ RmsNormQuantKernelParams params) {
-  extern __shared__ float sq[];  // [N] squares of the row (normalizing tasks only)
+  // Normalizing tasks only: [N] fp32 squares of the row, then (16-bit rows) [N] T the weight;
+  // indexed in 16-byte units (2 a chunk of squares, 1 a chunk of 16-bit weights).
+  extern __shared__ uint4 smem16[];
+  float* sq = reinterpret_cast<float*>(smem16);
   __shared__ float s_inv;
+  constexpr bool kWeightEarly = kRmsqStagesWeight<T>;
+  constexpr bool kResidualEarly = std::is_same_v<T, num::Bf16>;
   pdl_wait();
   pdl_launch_dependents();
 
@@ -119,38 +244,57 @@ __global__ void __launch_bounds__(kRmsqMaxThreads)
   const int lane = tid % kWarpSize;
   const int warp = tid / kWarpSize;
   const bool normalize = task.weight != nullptr;
+  // Chunk i of this thread is chunk i * threads + tid of the row: its elements start at
+  // e0 + i * step (32-bit offsets: N <= 32768).
+  const int step = threads * kChunkElems;
+  const int e0 = tid * kChunkElems;
 
-  const T* x = static_cast<const T*>(task.input) + t * task.stride_input_token;
+  const T* x = static_cast<const T*>(task.input) + t * task.stride_input_token + e0;
+  const T* w = normalize ? static_cast<const T*>(task.weight) + e0 : nullptr;
+  const int w_staged = N / 4 + tid;  // kWeightEarly: chunk i at smem16[w_staged + i * threads]
+  const unsigned w_staged_addr = static_cast<unsigned>(__cvta_generic_to_shared(smem16 + w_staged));
   T* residual = task.residual != nullptr
-                    ? static_cast<T*>(task.residual) + t * task.stride_residual_token
+                    ? static_cast<T*>(task.residual) + t * task.stride_residual_token + e0
                     : nullptr;
 
-  // Phase 1: s (model dtype) in registers, squares to shared memory.
-  Chunk<T> s[kRmsqMaxChunksPerThread];
+  // Phase 1a: every load of the row at once (x; the residual of bf16 rows, whose registers fit;
+  // the weight of 16-bit rows by cp.async into shared memory, which holds no registers), so that
+  // a row waits for one memory round trip before its sum.
+  Bits<T> s[kRmsqMaxChunksPerThread];
+  Bits<T> r[kRmsqMaxChunksPerThread];
 #pragma unroll
   for (int i = 0; i < kRmsqMaxChunksPerThread; ++i) {
-    const int c = i * threads + tid;
-    if (c >= num_chunks) continue;
-    s[i] = load_chunk<true>(x + c * kChunkElems, kChunkElems);
-    if (residual != nullptr) {
-      const Chunk<T> r = load_chunk<true>(residual + c * kChunkElems, kChunkElems);
+    if (i * threads + tid >= num_chunks) continue;
+    s[i] = load_bits(x + i * step);
+    if (kResidualEarly && residual != nullptr) {
+      r[i] = load_bits(residual + i * step);
+    }
+    if (kWeightEarly && normalize) {
+      copy_chunk_async(w_staged_addr + i * threads * 16u, w + i * step);
+    }
+  }
+  // Phase 1b: s = round(x + residual) stored back into the residual; squares to shared memory.
 #pragma unroll
-      for (int e = 0; e < kChunkElems; e += 2) {
-        round2<T>(num::add_rn(to_f(s[i].v[e]), to_f(r.v[e])),
-                  num::add_rn(to_f(s[i].v[e + 1]), to_f(r.v[e + 1])), s[i].v[e], s[i].v[e + 1]);
-      }
-      store_chunk<true>(residual + c * kChunkElems, s[i], kChunkElems);
+  for (int i = 0; i < kRmsqMaxChunksPerThread; ++i) {
+    if (i * threads + tid >= num_chunks) continue;
+    if (residual != nullptr) {
+      if (!kResidualEarly) r[i] = load_bits(residual + i * step);
+      float a[kChunkElems], b[kChunkElems];
+      unpack_chunk(s[i], a);
+      unpack_chunk(r[i], b);
+#pragma unroll
+      for (int k = 0; k < kChunkElems; ++k) a[k] = num::add_rn(a[k], b[k]);
+      s[i] = pack_chunk_rn<T>(a);
+      store_bits(residual + i * step, s[i]);
     }
     if (normalize) {
-      float v2[kChunkElems];
+      float v[kChunkElems];
+      unpack_chunk(s[i], v);
 #pragma unroll
-      for (int e = 0; e < kChunkElems; ++e) {
-        const float v = to_f(s[i].v[e]);
-        v2[e] = num::mul_rn(v, v);
-      }
-      float4* dst = reinterpret_cast<float4*>(sq + c * kChunkElems);
-      dst[0] = make_float4(v2[0], v2[1], v2[2], v2[3]);
-      dst[1] = make_float4(v2[4], v2[5], v2[6], v2[7]);
+      for (int k = 0; k < kChunkElems; ++k) v[k] = num::mul_rn(v[k], v[k]);
+      float4* dst = reinterpret_cast<float4*>(sq + e0 + i * step);
+      dst[0] = make_float4(v[0], v[1], v[2], v[3]);
+      dst[1] = make_float4(v[4], v[5], v[6], v[7]);
     }
   }
 
@@ -159,64 +303,75 @@ __global__ void __launch_bounds__(kRmsqMaxThreads)
   if (normalize) {
     __syncthreads();
     if (warp == 0) {
-      float acc = 0.0f;
-      if (lane < kSumLanes) {
-        // In order; the unrolled loads run ahead of the dependent adds.
-#pragma unroll 8
-        for (int k = lane; k < N; k += kSumLanes) acc = num::add_rn(acc, sq[k]);
-      }
-      acc = combine_partial_sums(acc, lane);
-      if (lane == 0) s_inv = num::rms_inv(acc, N, task.eps);
+      const float sum = ordered_sum_of_squares(sq, N, lane);
+      if (lane == 0) s_inv = num::rms_inv(sum, N, task.eps);
     }
     __syncthreads();
     inv = s_inv;
+    // A thread reads back only the weight chunks it staged itself: no barrier needed.
+    if (kWeightEarly) cp_async_wait_all();
   }
 
   // Phase 3: normalize, store, quantize.
-  const T* w = static_cast<const T*>(task.weight);
   T* normed = task.normed_out != nullptr
-                  ? static_cast<T*>(task.normed_out) + t * task.stride_normed_out_token
+                  ? static_cast<T*>(task.normed_out) + t * task.stride_normed_out_token + e0
                   : nullptr;
-  uint8_t* q = task.quant_values != nullptr ? task.quant_values + t * task.stride_quant_values_token
-                                            : nullptr;
-  // G is a power of two (validated): lanes_per_group = 2^group_shift.
+  uint8_t* q = task.quant_values != nullptr
+                   ? task.quant_values + t * task.stride_quant_values_token + e0
+                   : nullptr;
+  // G is a power of two (validated): lanes_per_group = 2^group_shift, and `threads` (a multiple
+  // of 32) is a multiple of it, so chunk i's group is the first chunk's plus
+  // i * (threads >> group_shift): its scale is scale_step further on.
   const int lanes_per_group = static_cast<int>(task.group_size / kChunkElems);
   const int group_shift = __ffs(lanes_per_group) - 1;
+  const int64_t scale_step =
+      static_cast<int64_t>(threads >> group_shift) * task.stride_scales_group;
+  int xor_offsets[5];  // 16, 8, 4, 2, 1 where inside the group, else 0
+#pragma unroll
+  for (int l = 0; l < 5; ++l) xor_offsets[l] = (kWarpSize / 2 >> l) & (lanes_per_group - 1);
+  const bool stores_scale = q != nullptr && (lane & (lanes_per_group - 1)) == 0;
+  float* scale_ptr = q != nullptr
+                         ? task.scales + t * task.stride_scales_token +
+                               static_cast<int64_t>(tid >> group_shift) * task.stride_scales_group
+                         : nullptr;
 #pragma unroll
   for (int i = 0; i < kRmsqMaxChunksPerThread; ++i) {
-    const int c = i * threads + tid;
+    if (i > 0 && q != nullptr) scale_ptr += scale_step;
     // Warp-uniform: the warp's first chunk exists. Groups never straddle the end of the row
     // (N % G == 0), so lanes past it only feed zeros into shuffles of groups nobody stores.
     if (i * threads + warp * kWarpSize >= num_chunks) continue;
-    const bool active = c < num_chunks;
-    Chunk<T> y = s[i];
+    const bool active = i * threads + tid < num_chunks;
+    Bits<T> y = s[i];
     float amax = 0.0f;
     if (active) {
       if (normalize) {
-        const Chunk<T> wc = load_chunk_ro(w + c * kChunkElems);
-#pragma unroll
-        for (int e = 0; e < kChunkElems; e += 2) {
-          round2<T>(num::rms_apply(to_f(s[i].v[e]), inv, to_f(wc.v[e])),
-                    num::rms_apply(to_f(s[i].v[e + 1]), inv, to_f(wc.v[e + 1])), y.v[e],
-                    y.v[e + 1]);
+        Bits<T> wk;
+        if constexpr (kWeightEarly) {
+          wk.w[0] = smem16[w_staged + i * threads];
+        } else {
+          wk = load_bits_ro(w + i * step);
         }
-      }
-      if (normed != nullptr) store_chunk_cs(normed + c * kChunkElems, y);
+        float xv[kChunkElems], wv[kChunkElems];
+        unpack_chunk(s[i], xv);
+        unpack_chunk(wk, wv);
 #pragma unroll
-      for (int e = 0; e < kChunkElems; ++e) amax = num::amax_update(amax, to_f(y.v[e]));
+        for (int k = 0; k < kChunkElems; ++k) xv[k] = num::rms_apply(xv[k], inv, wv[k]);
+        y = pack_chunk_rn<T>(xv);
+      }
+      if (normed != nullptr) store_bits_cs(normed + i * step, y);
+      float yv[kChunkElems];
+      unpack_chunk(y, yv);
+      // num::amax_update as fmaxf: |y| > amax ? |y| : amax keeps amax for a NaN |y|, as fmaxf
+      // does, and both are >= +0, so the two agree bit for bit.
+#pragma unroll
+      for (int k = 0; k < kChunkElems; ++k) amax = fmaxf(amax, fabsf(yv[k]));
     }
     if (q == nullptr) continue;
-    amax = group_max(amax, lanes_per_group);
-    if (!active) continue;
-    const float scale = num::group_scale(amax, task.scale_floor, task.pow2_scale);
-    // The fused kernel's quantization of a chunk (device_common.cuh encode_chunk: the bits of
-    // num::quantize, one range test per chunk on its fast path).
-    cuda::detail::ChunkBits<num::Fp8E4M3> bytes;
-    bytes.c = encode_chunk<num::Fp8E4M3>(y, make_divisor(scale));
-    __stcs(reinterpret_cast<uint2*>(q + c * kChunkElems), bytes.w[0]);
-    if ((lane & (lanes_per_group - 1)) == 0) {
-      const int64_t g = c >> group_shift;
-      __stcs(task.scales + t * task.stride_scales_token + g * task.stride_scales_group, scale);
+    amax = group_max_xor(amax, xor_offsets);
+    if (active) {
+      const float scale = num::group_scale(amax, task.scale_floor, task.pow2_scale);
+      __stcs(reinterpret_cast<uint2*>(q + i * step), encode_e4m3(y, scale));
+      if (stores_scale) __stcs(scale_ptr, scale);
     }
   }
 }
@@ -225,8 +380,10 @@ __global__ void __launch_bounds__(kRmsqMaxThreads)
 
 template <typename T>
 void launch_rmsnorm_quant_kernel(const RmsNormQuantKernelParams& params, int64_t num_blocks,
-                                 int threads, size_t smem_bytes, const Launch& launch) {
-  // Rows wider than 12288 elements need more than the default 48 KB of dynamic shared memory.
+                                 int threads, int64_t max_norm_hidden, const Launch& launch) {
+  // Wide rows (N > 8192 for 16-bit, 12288 for fp32 dtypes) need more than the default 48 KB of
+  // dynamic shared memory.
+  const size_t smem_bytes = rmsq_smem_bytes<T>(max_norm_hidden);
   constexpr size_t kDefaultSmemBytes = 48 * 1024;
   if (smem_bytes > kDefaultSmemBytes) {
     MLAKV_CUDA_CHECK(cudaFuncSetAttribute(rmsq::rmsnorm_quant_kernel<T>,
