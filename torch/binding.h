@@ -2,7 +2,7 @@
 //
 // Shared by every torch/*.cpp. An op entry is a template over its environment (CpuEnv, CudaEnv):
 // the environment holds the device guard and fills the mlakv::Context (stream, threads, error
-// counters), so one function body serves both dispatch keys.
+// counters, PDL), so one function body serves both dispatch keys.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -57,6 +57,10 @@ int64_t cache_entry_width(const KVCacheView& cache);
 // The optional int32 [>= kNumErrorCounters] error counters on `device`.
 int32_t* to_error_counts(const OptTensor& error_counts, const at::Device& device);
 
+// The process-wide programmatic dependent launch switch (torch.ops.mlakv.set_pdl, env MLAKV_PDL=1
+// at load; pdl.cpp): every CUDA op copies it into Context::pdl when it launches.
+bool pdl_enabled();
+
 // Runs `fn` and turns an mlakv::Error into a c10::Error (a Python RuntimeError) carrying the core's
 // message.
 template <typename Fn>
@@ -81,12 +85,17 @@ struct CpuEnv {
 
 #ifdef MLAKV_TORCH_CUDA
 // CUDA ops: the tensor's device is made current and the op runs on torch's current stream of
-// that device, so it orders with surrounding torch work and is captured by CUDA graphs.
+// that device, so it orders with surrounding torch work and is captured by CUDA graphs. Its kernels
+// launch with programmatic dependent launch while the process-wide switch is on and the device
+// has it (sm_90+; the core's launch_kernel passes the attribute without looking at the device).
 struct CudaEnv {
   CudaEnv(const at::Tensor& device_tensor, const OptTensor& error_counts)
       : guard(device_tensor.device()) {
-    ctx.stream = at::cuda::getCurrentCUDAStream(device_tensor.device().index()).stream();
+    const c10::DeviceIndex index = device_tensor.device().index();
+    ctx.stream = at::cuda::getCurrentCUDAStream(index).stream();
     ctx.error_counts = to_error_counts(error_counts, device_tensor.device());
+    // getDeviceProperties is torch's per-device cache: no CUDA call after the first.
+    ctx.pdl = pdl_enabled() && at::cuda::getDeviceProperties(index)->major >= 9;
   }
   c10::cuda::CUDAGuard guard;
   Context ctx;

@@ -4,7 +4,8 @@
 kernels), and the fake kernels that let the ops run under ``torch.compile``. The functions below
 are thin, documented wrappers of those ops; ``mlakv.reference`` holds a pure-PyTorch reference of
 each, ``mlakv.modules`` a DeepSeek-V3 MLA attention layer built on them, and ``python -m
-mlakv.bench`` a benchmark.
+mlakv.bench`` a benchmark. ``mlakv.set_pdl`` / ``mlakv.pdl()`` turn on programmatic dependent
+launch of the CUDA ops (``mlakv.launch``).
 """
 
 import os as _os
@@ -35,6 +36,7 @@ from mlakv import _fake  # noqa: E402,F401  (registers the fake kernels)
 from mlakv.cache import (  # noqa: E402,F401
     CACHE_FORMATS, ERROR_COUNTER_NAMES, allocate_cache, cache_entry_bytes, cache_latent_dtype,
     cache_rope_dtype, new_error_counts, read_error_counts)
+from mlakv.launch import pdl, pdl_enabled, set_pdl  # noqa: E402,F401
 from mlakv.ops import (  # noqa: E402,F401
     concat_and_cache_mla, decode_q_concat, gather_cache_sequences, gather_cache_slots,
     mla_rope_cache, mla_rope_cache_decode, mla_rope_cache_mixed, mla_rope_cache_prefill,
@@ -47,8 +49,8 @@ __all__ = [
     "cache_latent_dtype", "cache_rope_dtype", "concat_and_cache_mla", "cuda_kernels_available",
     "decode_q_concat", "gather_cache_sequences", "gather_cache_slots", "mla_rope_cache",
     "mla_rope_cache_decode", "mla_rope_cache_mixed", "mla_rope_cache_prefill", "new_error_counts",
-    "read_error_counts", "rms_norm", "rope_cos_sin_cache", "rotary_embedding",
-    "yarn_cos_sin_cache", "yarn_get_mscale"]
+    "pdl", "pdl_enabled", "read_error_counts", "rms_norm", "rope_cos_sin_cache", "rotary_embedding",
+    "set_pdl", "yarn_cos_sin_cache", "yarn_get_mscale"]
 
 
 def cuda_kernels_available() -> bool:
