@@ -134,8 +134,11 @@ MLAKV_HD Half float_to_half(float f) {
   const uint32_t subnormal = float_bits(bits_float(u) + magic) - float_bits(magic);
   uint32_t out = u < 0x38800000u ? subnormal : normal;
   out = u >= 0x47800000u ? 0x7c00u : out;  // >= 65536 (and inf) -> inf
-  out = u > 0x7f800000u ? 0x7fffu : out;   // NaN -> canonical NaN
-  return Half{static_cast<uint16_t>(out | sign)};
+  // NaN -> the canonical NaN whatever its sign, as bf16: a NaN's sign is the platform's (an x86
+  // invalid operation gives a negative NaN, a GPU a positive one), so keeping it would make the
+  // CPU and CUDA backends differ.
+  out = u > 0x7f800000u ? 0x7fffu : (out | sign);
+  return Half{static_cast<uint16_t>(out)};
 }
 
 // ---- fp8 (OCP) -----------------------------------------------------------------------------
