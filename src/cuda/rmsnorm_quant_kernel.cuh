@@ -270,7 +270,7 @@ __global__ void __launch_bounds__(kRmsqMaxThreads)
       r[i] = load_bits(residual + i * step);
     }
     if (kWeightEarly && normalize) {
-      copy_chunk_async(w_staged_addr + i * threads * 16u, w + i * step);
+      copy_chunk_async<T, /*kCached=*/true>(w_staged_addr + i * threads * 16u, w + i * step);
     }
   }
   // Phase 1b: s = round(x + residual) stored back into the residual; squares to shared memory.

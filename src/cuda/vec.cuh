@@ -106,22 +106,30 @@ __device__ __forceinline__ void store_pair(T* row, int64_t first, int64_t second
   }
 }
 
-// Asynchronous global -> shared copy of one chunk (cp.async, 16-byte pieces, L1 bypassed), for
-// 16-byte aligned chunks only; completes at cp_async_wait_all() of the issuing thread.
-// `smem_dst` as a shared-space address (__cvta_generic_to_shared), for callers that step it.
-template <typename T>
+// Asynchronous global -> shared copy of one chunk (cp.async, 16-byte pieces), for 16-byte aligned
+// chunks only; completes at cp_async_wait_all() of the issuing thread. `smem_dst` as a
+// shared-space address (__cvta_generic_to_shared), for callers that step it. Streamed data
+// bypasses L1 (.cg); kCached (.ca) keeps it there, for data every block of a multiprocessor
+// reads again (a norm weight).
+template <typename T, bool kCached = false>
 __device__ __forceinline__ void copy_chunk_async(unsigned dst, const T* global_src) {
   static_assert(sizeof(Chunk<T>) % 16 == 0, "cp.async copies whole 16-byte pieces");
   const char* src = reinterpret_cast<const char*>(global_src);
 #pragma unroll
   for (int i = 0; i < static_cast<int>(sizeof(Chunk<T>) / 16); ++i) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst + 16 * i),
-                 "l"(src + 16 * i));
+    if constexpr (kCached) {
+      asm volatile("cp.async.ca.shared.global [%0], [%1], 16;\n" ::"r"(dst + 16 * i),
+                   "l"(src + 16 * i));
+    } else {
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst + 16 * i),
+                   "l"(src + 16 * i));
+    }
   }
 }
-template <typename T>
+template <typename T, bool kCached = false>
 __device__ __forceinline__ void copy_chunk_async(T* smem_dst, const T* global_src) {
-  copy_chunk_async(static_cast<unsigned>(__cvta_generic_to_shared(smem_dst)), global_src);
+  copy_chunk_async<T, kCached>(static_cast<unsigned>(__cvta_generic_to_shared(smem_dst)),
+                               global_src);
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 __device__ __forceinline__ void cp_async_wait_all() {
