@@ -8,8 +8,8 @@
 //   num::quantize;
 // - the hardware bf16 / fp16 rounding (cvt.rn.bf16x2.f32 / cvt.rn.f16x2.f32) against
 //   num::from_float on all 2^32 floats but NaNs, and cuda::rotate_chunk (the fused kernel's RoPE
-//   of a chunk: that rounding on finite chunks, rotate_pair otherwise) against the host's
-//   num::rope_rotate + from_float.
+//   of a chunk: that rounding on finite chunks and cos/sin, rotate_pair's otherwise) against the
+//   host's num::rope_rotate + from_float.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -104,7 +104,11 @@ __global__ void rotate_chunk_kernel(const T* x, const float* cs, const float* sn
     s[j] = sn[4 * i + j];
     finite &= isfinite(c[j]) && isfinite(s[j]);
   }
-  const cuda::Chunk<T> r = cuda::rotate_chunk(m, c, s, finite);
+  // As the fused kernel chooses: the hardware rounding when everything is finite.
+  const cuda::Chunk<T> r =
+      finite && cuda::chunk_finite(m)
+          ? cuda::rotate_chunk<cuda::ChunkRounding::kHardware>(m, c, s)
+          : cuda::rotate_chunk<cuda::ChunkRounding::kPairwise>(m, c, s);
   for (int e = 0; e < cuda::kChunkElems; ++e) out[i * cuda::kChunkElems + e] = r.v[e];
 }
 

@@ -325,65 +325,78 @@ __device__ __forceinline__ Chunk<Dst> encode_chunk(const Chunk<T>& m, const Divi
 }
 
 // ---- RoPE of a chunk of adjacent pairs ---------------------------------------------------------
-// Whether every element of a 16-bit chunk's word is finite: the largest magnitude of its halves
-// (NaN if one is, bf16x2 / f16x2 max.NaN) below inf's (bf16 0x7f80, fp16 0x7c00): bit 15 of a
-// half of (magnitude + k) is set iff the magnitude reaches inf's.
+// How rotate_chunk rounds: rotate_pair's from_float, element by element, or the hardware
+// conversion two at a time (bf16 / fp16 on sm_89+: cvt.rn.bf16x2.f32 / cvt.rn.f16x2.f32, round to
+// nearest even with subnormals and overflow to inf, which is from_float's rounding of every
+// non-NaN float; test CudaNumerics.HardwareRoundingMatchesFromFloat checks all 2^32 of them).
+// kHardware is for chunks whose elements and cos/sin are all finite (chunk_finite, isfinite):
+// they rotate to no NaN (an fma of finite x and c with an addend of +-inf is that infinity, and
+// nothing else can make a NaN), so from_float's canonical NaN, which the hardware need not
+// produce, never arises.
+enum class ChunkRounding { kPairwise, kHardware };
+
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
 template <typename T>
-__device__ __forceinline__ bool words_finite(const uint4& w) {
+constexpr bool kHardwareRounding = std::is_same_v<T, num::Bf16> || std::is_same_v<T, num::Half>;
+#else
+template <typename T>
+constexpr bool kHardwareRounding = false;
+#endif
+
+// Whether every element of a 16-bit chunk is finite: the largest magnitude of its halves (NaN if
+// one is: bf16x2 / f16x2 max.NaN) below inf's (bf16 0x7f80, fp16 0x7c00); bit 15 of a half of
+// (magnitude + k) is set iff the magnitude reaches inf's.
+template <typename T>
+__device__ __forceinline__ bool chunk_finite(const Chunk<T>& m) {
+  static_assert(kHardwareRounding<T>, "16-bit chunks on sm_89+");
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
   constexpr bool kBf16 = std::is_same_v<T, num::Bf16>;
-  const uint32_t m =
+  detail::ChunkBits<T> u;
+  u.c = m;
+  const uint4 w = u.w[0];
+  const uint32_t mx =
       kBf16 ? bf16x2_absmax_nan(bf16x2_absmax_nan(w.x, w.y), bf16x2_absmax_nan(w.z, w.w))
             : f16x2_absmax_nan(f16x2_absmax_nan(w.x, w.y), f16x2_absmax_nan(w.z, w.w));
   constexpr uint32_t k = kBf16 ? 0x00800080u : 0x04000400u;
-  return (((m & 0x7fff7fffu) + k) & 0x80008000u) == 0u;
-}
+  return (((mx & 0x7fff7fffu) + k) & 0x80008000u) == 0u;
+#else
+  return false;
 #endif
+}
 
 // RoPE of a chunk's four adjacent (GPT-J) pairs, pair j = elements (2j, 2j + 1) by cos/sin
-// (c[j], s[j]), each rounded once to T: rotate_pair's operations and bits. `table_finite`: every
-// c[j], s[j] is finite (the caller tests its columns once).
-// For bf16 / fp16 on sm_89+, a chunk of finite elements with finite cos/sin rounds by the hardware
-// conversion two at a time (cvt.rn.bf16x2.f32 / cvt.rn.f16x2.f32: round to nearest even with
-// subnormals and overflow to inf, num::from_float's rounding of every non-NaN float; test
-// CudaNumerics.HardwareRoundingMatchesFromFloat checks all 2^32 of them). Such a chunk rotates to
-// no NaN: an fma of finite x, c and an addend of +-inf is that infinity, and nothing else can be
-// NaN; so the canonical-NaN rule of from_float, which the hardware need not follow, never applies.
-// Any other chunk takes rotate_pair itself.
-template <typename T>
+// (c[j], s[j]), each rounded once to T: rotate_pair's operations and bits (kRound above).
+template <ChunkRounding kRound, typename T>
 __device__ __forceinline__ Chunk<T> rotate_chunk(const Chunk<T>& m, const float (&c)[4],
-                                                 const float (&s)[4], bool table_finite) {
+                                                 const float (&s)[4]) {
+  if constexpr (kRound == ChunkRounding::kHardware) {
+    static_assert(kHardwareRounding<T>, "16-bit chunks on sm_89+");
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
-  constexpr bool kBf16 = std::is_same_v<T, num::Bf16>;
-  if constexpr (kBf16 || std::is_same_v<T, num::Half>) {
-    detail::ChunkBits<T> u;
-    u.c = m;
-    if (table_finite && words_finite<T>(u.w[0])) {
-      uint32_t w[4] = {u.w[0].x, u.w[0].y, u.w[0].z, u.w[0].w};
+    uint32_t w[4];
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        float x, y;
-        num::rope_rotate(num::to_float(m.v[2 * j]), num::to_float(m.v[2 * j + 1]), c[j], s[j], x,
-                         y);
-        if constexpr (kBf16) {  // the low half (element 2j) from x
-          asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(w[j]) : "f"(y), "f"(x));
-        } else {
-          asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(w[j]) : "f"(y), "f"(x));
-        }
+    for (int j = 0; j < 4; ++j) {
+      float x, y;
+      num::rope_rotate(num::to_float(m.v[2 * j]), num::to_float(m.v[2 * j + 1]), c[j], s[j], x, y);
+      if constexpr (std::is_same_v<T, num::Bf16>) {  // the low half (element 2j) from x
+        asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(w[j]) : "f"(y), "f"(x));
+      } else {
+        asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(w[j]) : "f"(y), "f"(x));
       }
-      u.w[0] = make_uint4(w[0], w[1], w[2], w[3]);
-      return u.c;
     }
-  }
+    detail::ChunkBits<T> u;
+    u.w[0] = make_uint4(w[0], w[1], w[2], w[3]);
+    return u.c;
 #endif
-  Chunk<T> out = m;
+  } else {
+    Chunk<T> out = m;
 #pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const Pair<T> r = rotate_pair(Pair<T>{m.v[2 * j], m.v[2 * j + 1]}, c[j], s[j]);
-    out.v[2 * j] = r.x;
-    out.v[2 * j + 1] = r.y;
+    for (int j = 0; j < 4; ++j) {
+      const Pair<T> r = rotate_pair(Pair<T>{m.v[2 * j], m.v[2 * j + 1]}, c[j], s[j]);
+      out.v[2 * j] = r.x;
+      out.v[2 * j + 1] = r.y;
+    }
+    return out;
   }
-  return out;
 }
 
 template <typename Dst, typename T>

@@ -121,7 +121,9 @@ __device__ __forceinline__ void k_side_item(const MlaRopeCacheKernelParams& p, i
     if (k < cpr) {
       x[s] = load_chunk<kVec>(kv_c + k * kChunkElems, kChunkElems);
       // The weight goes straight to shared memory (no registers held while the loads fly).
-      if (kVec && has_norm) copy_chunk_async(w_smem + k * kChunkElems, weight + k * kChunkElems);
+      if (kVec && has_norm) {
+        copy_chunk_async<T, /*kCached=*/true>(w_smem + k * kChunkElems, weight + k * kChunkElems);
+      }
     }
   }
   if (kVec && has_norm) cp_async_commit();
@@ -372,7 +374,10 @@ __device__ __forceinline__ void rope_item_chunked(const MlaRopeCacheKernelParams
                                                   int64_t td, float q_scale, int lane,
                                                   Chunk<T>* stage) {
   const core::MlaRopeCacheArgs& a = p.args;
-  const auto [t, h0, decode] = rope_item_place(p, i, td);
+  // Named members, not a structured binding: the lambda below captures them (C++17).
+  const RopeItemPlace place = rope_item_place(p, i, td);
+  const int64_t t = place.t, h0 = place.h0;
+  const bool decode = place.decode;
   if (decode ? a.q_out == nullptr : a.q == nullptr) return;
   const int64_t H = a.num_heads;
   const int half = static_cast<int>(a.rope_dim / 2);
@@ -401,27 +406,46 @@ __device__ __forceinline__ void rope_item_chunked(const MlaRopeCacheKernelParams
       sn[j] = load_table(a.rope, pos, half + c * kPairs + j);
     }
   }
-  bool table_finite = true;  // rotate_chunk's fast path
-#pragma unroll
-  for (int j = 0; j < kPairs; ++j) table_finite &= isfinite(cs[j]) && isfinite(sn[j]);
   const Divisor q_div = make_divisor(q_scale);  // fp8 q_out only
   // This lane's own chunks have landed after the wait.
   cp_async_wait_all();
+  // Each slot rotated by kRound's rounding (rotate_chunk: hardware or rotate_pair's), encoded and
+  // stored. The two roundings are two loops, not a test per chunk: one loop with both paths
+  // needed registers beyond the kernel's budget.
+  auto rotate_and_store = [&](auto round_tag) {
+    constexpr ChunkRounding kRound = decltype(round_tag)::value;
 #pragma unroll
-  for (int s = 0; s < kStageSlots<T>; ++s) {
-    if (s >= slots) break;
-    const int64_t h = h0 + s * hps + lane / cph;
-    if (h < H) {
-      Chunk<T> m = stage[s * kWarpSize + lane];
-      if (p.apply_rope) m = rotate_chunk(m, cs, sn, table_finite);
-      if (decode) {
-        store_chunk<true>(rope_dst<QOut>(a, true, t, h) + e0, encode_chunk<QOut>(m, q_div),
-                          kChunkElems);
-      } else {
-        store_chunk<true>(rope_dst<T>(a, false, t, h) + e0, m, kChunkElems);
+    for (int s = 0; s < kStageSlots<T>; ++s) {
+      if (s >= slots) break;
+      const int64_t h = h0 + s * hps + lane / cph;
+      if (h < H) {
+        Chunk<T> m = stage[s * kWarpSize + lane];
+        if (p.apply_rope) m = rotate_chunk<kRound>(m, cs, sn);
+        if (decode) {
+          store_chunk<true>(rope_dst<QOut>(a, true, t, h) + e0, encode_chunk<QOut>(m, q_div),
+                            kChunkElems);
+        } else {
+          store_chunk<true>(rope_dst<T>(a, false, t, h) + e0, m, kChunkElems);
+        }
       }
     }
+  };
+  if constexpr (kHardwareRounding<T>) {
+    // The hardware rounding when this lane's chunks and cos/sin columns are all finite.
+    bool finite = true;
+#pragma unroll
+    for (int j = 0; j < kPairs; ++j) finite &= isfinite(cs[j]) && isfinite(sn[j]);
+#pragma unroll
+    for (int s = 0; s < kStageSlots<T>; ++s) {
+      if (s >= slots) break;
+      finite &= chunk_finite(stage[s * kWarpSize + lane]);
+    }
+    if (finite) {
+      rotate_and_store(std::integral_constant<ChunkRounding, ChunkRounding::kHardware>{});
+      return;
+    }
   }
+  rotate_and_store(std::integral_constant<ChunkRounding, ChunkRounding::kPairwise>{});
 }
 
 // Stages elements [0, n) of a chunk: cp.async with kVec (n == 8, 16-byte aligned), else through
