@@ -20,6 +20,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <functional>
 #include <memory>
 #include <numeric>
@@ -639,6 +640,13 @@ INSTANTIATE_TEST_SUITE_P(Ops, CudaPdl, testing::ValuesIn(pdl_cases()),
 using CudaPdlProducer = PdlDeviceTest;
 
 TEST_F(CudaPdlProducer, ExposesAReadBeforeTheWait) {
+  // A CUDA tool that injects itself into the process (compute-sanitizer sets
+  // CUDA_INJECTION64_PATH) serializes kernels: no kernel then starts before the previous one
+  // ends, so there is no early read to expose (the cases above still run and must pass).
+  const char* injection = std::getenv("CUDA_INJECTION64_PATH");
+  if (injection != nullptr && injection[0] != '\0') {
+    GTEST_SKIP() << "kernels are serialized under an injected CUDA tool (" << injection << ")";
+  }
   constexpr int64_t kRealValue = 0x0123456789abcdefLL;
   for (bool wait : {false, true}) {
     SCOPED_TRACE(wait ? "reader waits" : "reader does not wait");
