@@ -105,10 +105,9 @@ __global__ void rotate_chunk_kernel(const T* x, const float* cs, const float* sn
     finite &= isfinite(c[j]) && isfinite(s[j]);
   }
   // As the fused kernel chooses: the hardware rounding when everything is finite.
-  const cuda::Chunk<T> r =
-      finite && cuda::chunk_finite(m)
-          ? cuda::rotate_chunk<cuda::ChunkRounding::kHardware>(m, c, s)
-          : cuda::rotate_chunk<cuda::ChunkRounding::kPairwise>(m, c, s);
+  const cuda::Chunk<T> r = finite && cuda::chunk_finite(m)
+                               ? cuda::rotate_chunk<cuda::ChunkRounding::kHardware>(m, c, s)
+                               : cuda::rotate_chunk<cuda::ChunkRounding::kPairwise>(m, c, s);
   for (int e = 0; e < cuda::kChunkElems; ++e) out[i * cuda::kChunkElems + e] = r.v[e];
 }
 
