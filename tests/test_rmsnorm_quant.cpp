@@ -364,11 +364,14 @@ class RmsNormQuantTest : public testing::TestWithParam<Backend> {
  protected:
   Device device() const { return GetParam().device; }
 
-  void run_rmsnorm_quant(const Case& c, uint64_t seed) {
+  // `edit` (optional) changes the host data of the job before it is uploaded.
+  void run_rmsnorm_quant(const Case& c, uint64_t seed,
+                         const std::function<void(const Job&)>& edit = nullptr) {
     const std::string label = case_label(c);
     SCOPED_TRACE(label);
     std::mt19937_64 rng(seed);
     Job j = make_job(device(), c, rng, true, true);
+    if (edit) edit(j);
     upload(j);
     reference(ref_job(j, c));
     RmsNormQuantParams p;
@@ -460,6 +463,147 @@ TEST_P(RmsNormQuantTest, GroupSizesPow2AndFloat32) {
   odd.T = 5;
   odd.group_size = 16;
   run_rmsnorm_quant(odd, ++seed);
+}
+
+// Row widths of the CUDA backend's exact-fit kernel (two rows a block, so odd T leaves a block
+// with one row) and of its generic kernel (768, 2560), every option on.
+TEST_P(RmsNormQuantTest, ExactFitAndGenericWidths) {
+  uint64_t seed = 1100;
+  for (DType dt : {DType::kBFloat16, DType::kFloat16, DType::kFloat32}) {
+    for (int64_t N : {512, 768, 1024, 2048, 2560, 4096, 5120, 8192}) {
+      Case c;
+      c.name = "widths";
+      c.dtype = dt;
+      c.N = N;
+      c.T = N >= 4096 ? 3 : 5;
+      c.residual = (N / 256) % 2 == 0;
+      c.normed = c.residual ? Case::kSeparate : Case::kInPlace;
+      c.group_size = N == 2048 ? 64 : 128;
+      c.pow2 = N == 1024 || N == 5120;
+      c.layout = (N / 512) % 2 == 0 ? ScaleLayout::kColumnMajor : ScaleLayout::kRowMajor;
+      run_rmsnorm_quant(c, ++seed);
+    }
+  }
+}
+
+// NaN, infinities, signed zeros, subnormals and huge values in the input and the weight, for the
+// exact-fit and generic CUDA kernels and the fast / exact quantization paths: every output byte
+// still equals the reference.
+// Bits of a special value in the model dtype: +-inf, a quiet NaN with the sign bit set, -0.
+void write_special(uint8_t* p, DType dt, char kind) {
+  if (dt == DType::kFloat32) {
+    const uint32_t b = kind == 'i'   ? 0x7f800000u
+                       : kind == 'I' ? 0xff800000u
+                       : kind == 'n' ? 0xffc00001u
+                                     : 0x80000000u;
+    std::memcpy(p, &b, 4);
+    return;
+  }
+  const bool bf16 = dt == DType::kBFloat16;
+  const uint16_t b = kind == 'i'   ? (bf16 ? 0x7f80 : 0x7c00)
+                     : kind == 'I' ? (bf16 ? 0xff80 : 0xfc00)
+                     : kind == 'n' ? (bf16 ? 0xffc1 : 0xfe01)
+                                   : 0x8000;
+  std::memcpy(p, &b, 2);
+}
+
+void write_special_values(const Job& j, const Case& c) {
+  const DType dt = c.dtype;
+  const bool fp16 = dt == DType::kFloat16;
+  const double huge = fp16 ? 60000.0 : std::ldexp(1.0, 100);
+  const double tiny = fp16 ? std::ldexp(1.0, -24) : std::ldexp(1.0, -130);
+  auto x = [&](int64_t t, int64_t k, double v) { write_model(host_at(j.input, t, k), dt, v); };
+  auto special = [&](int64_t t, int64_t k, char kind) {
+    write_special(host_at(j.input, t, k), dt, kind);
+  };
+  const int64_t N = c.N;
+  special(0, 5, 'n');                           // row 0: NaN
+  special(1, 130, 'i');                         // row 1: +inf
+  special(1, 131, 'I');                         //        and -inf
+  for (int64_t k = 0; k < c.group_size; ++k) {  // row 2: a group of +0 and -0
+    if (k % 2) {
+      special(2, k, 'z');
+    } else {
+      x(2, k, 0.0);
+    }
+  }
+  for (int64_t k = 0; k < 16; ++k) x(3, N - 16 + k, k % 3 ? tiny : -tiny);  // row 3: subnormals
+  x(4, N / 2, huge);                                                        // row 4: one huge value
+  x(4, N / 2 + 1, -huge);
+  special(5, 200, 'n');  // row 5: NaN next to a finite group
+  x(5, 201, 3.0);
+  if (j.weight.present()) {
+    // Tiny and huge weights: normalized values outside the fast division range.
+    const double w_tiny = fp16 ? std::ldexp(1.0, -20) : std::ldexp(1.0, -90);
+    const double w_huge = fp16 ? 30000.0 : std::ldexp(1.0, 90);
+    for (int64_t k = 0; k < 8; ++k) {
+      write_model(j.weight.buffer->host.data() + j.weight.byte_offset({N - 128 + k}), dt, w_tiny);
+      write_model(j.weight.buffer->host.data() + j.weight.byte_offset({N - 256 + 2 * k}), dt,
+                  w_huge);
+    }
+  }
+}
+
+// The test reference works in doubles and does not model NaN and infinities, so these cases
+// compare the backend with the CPU backend (the oracle, DESIGN.md: bitwise equal outputs) on the
+// same data; on the CPU the comparison is with itself and only checks that the op runs.
+void run_op(Device device, const Job& j, const Case& c, bool with_weight) {
+  if (with_weight) {
+    RmsNormQuantParams p;
+    p.num_tokens = c.T;
+    p.input = j.input.device_view();
+    p.weight = j.weight.device_view();
+    p.eps = c.eps;
+    p.residual = j.residual.device_view();
+    p.normed_out = j.normed_out.device_view();
+    p.quant = quant_view(j, c);
+    rmsnorm_quant(p);
+  } else {
+    PerTokenGroupQuantParams p;
+    p.num_tokens = c.T;
+    p.input = j.input.device_view();
+    p.quant = quant_view(j, c);
+    per_token_group_quant_fp8(p);
+  }
+  (void)device;
+}
+
+TEST_P(RmsNormQuantTest, SpecialValuesEqualTheCpuBackend) {
+  uint64_t seed = 1200;
+  for (DType dt : {DType::kBFloat16, DType::kFloat16, DType::kFloat32}) {
+    for (int64_t N : {1536, 768}) {
+      for (int variant = 0; variant < 3; ++variant) {
+        Case c;
+        c.name = "special";
+        c.dtype = dt;
+        c.N = N;
+        c.T = 7;
+        const bool with_weight = variant < 2;
+        c.residual = variant == 1;
+        c.normed = with_weight ? Case::kSeparate : Case::kNone;
+        c.pow2 = variant == 1;
+        c.layout = variant == 2 ? ScaleLayout::kColumnMajor : ScaleLayout::kRowMajor;
+        const std::string label = case_label(c);
+        SCOPED_TRACE(label);
+        ++seed;
+        Job jobs[2];
+        const Device devices[2] = {device(), Device{}};
+        for (int k = 0; k < 2; ++k) {
+          std::mt19937_64 rng(seed);
+          jobs[k] = make_job(devices[k], c, rng, with_weight, true);
+          write_special_values(jobs[k], c);
+          upload(jobs[k]);
+          run_op(devices[k], jobs[k], c, with_weight);
+        }
+        for (auto member : {&Job::residual, &Job::normed_out, &Job::values, &Job::scales}) {
+          const Tensor& got = jobs[0].*member;
+          if (!got.present()) continue;
+          EXPECT_TRUE(bytes_equal(got.buffer->download(), (jobs[1].*member).buffer->download(),
+                                  label + ": against the CPU backend"));
+        }
+      }
+    }
+  }
 }
 
 TEST_P(RmsNormQuantTest, TinyValuesHitTheScaleFloor) {

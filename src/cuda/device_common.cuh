@@ -276,33 +276,56 @@ __device__ __noinline__ uint2 encode_chunk_exact_words(const Chunk<T> m, const f
 // encode_chunk's bf16 -> fp8 form on the chunk's word: the two words of the fp8 chunk. Callers
 // that hold the chunk as its word (rmsnorm_quant_kernel) call it directly, so the chunk is never
 // taken apart into 16-bit fields and put together again.
-template <typename Dst>
-__device__ __forceinline__ uint2 encode_bf16_chunk_word(const uint4 w, const Divisor& scale) {
-  static_assert(kIsFp8<Dst>, "fp8 destinations only");
+//
+// The range test is bf16_chunk_range: `absmax` (halves: the largest magnitude of the chunk's
+// even / odd elements, NaN if one is) and `bad` (zero iff every |x| is in [2^-60, 2^60], NaN
+// excluded). Callers that need the magnitudes for something else (rmsnorm_quant_rows_kernel's amax)
+// take the range once and pass `bad` on.
+struct Bf16ChunkRange {
+  uint32_t absmax;
+  uint32_t bad;
+};
+__device__ __forceinline__ Bf16ChunkRange bf16_chunk_range(const uint4 w) {
   // Magnitude range of the chunk: every |x| in [2^-60, 2^60] (bf16 0x2180 .. 0x5d80), no NaN.
   const uint32_t mx =
       bf16x2_absmax_nan(bf16x2_absmax_nan(w.x, w.y), bf16x2_absmax_nan(w.z, w.w)) & 0x7fff7fffu;
   const uint32_t mn =
       bf16x2_absmin_nan(bf16x2_absmin_nan(w.x, w.y), bf16x2_absmin_nan(w.z, w.w)) & 0x7fff7fffu;
   // Bit 15 of each half: (mx + 0x227f) set iff mx > 0x5d80; (mn + 0x5e80) clear iff mn < 0x2180.
-  const uint32_t bad = ((mx + 0x227f227fu) | ~(mn + 0x5e805e80u)) & 0x80008000u;
+  return {mx, ((mx + 0x227f227fu) | ~(mn + 0x5e805e80u)) & 0x80008000u};
+}
+
+// The fast path alone: exact when scale.fast and bf16_chunk_range(w).bad == 0.
+template <typename Dst>
+__device__ __forceinline__ uint2 encode_bf16_chunk_word_fast(const uint4 w, const Divisor& scale) {
+  const uint32_t words[4] = {w.x, w.y, w.z, w.w};
+  float q[kChunkElems];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    q[2 * i] = divide_fast(__uint_as_float(words[i] << 16), scale);
+    q[2 * i + 1] = divide_fast(__uint_as_float(words[i] & 0xffff0000u), scale);
+  }
+  return make_uint2(cvt_fp8x4_satfinite<Dst>(q[0], q[1], q[2], q[3]),
+                    cvt_fp8x4_satfinite<Dst>(q[4], q[5], q[6], q[7]));
+}
+
+template <typename Dst>
+__device__ __forceinline__ uint2 encode_bf16_chunk_word(const uint4 w, const Divisor& scale,
+                                                        const uint32_t bad) {
+  static_assert(kIsFp8<Dst>, "fp8 destinations only");
   uint2 out;  // the two words of the fp8 chunk
   if (!(scale.fast && bad == 0u)) {
     detail::ChunkBits<num::Bf16> m;
     m.w[0] = w;
     out = encode_chunk_exact_words<Dst>(m.c, scale.b);
   } else {
-    const uint32_t words[4] = {w.x, w.y, w.z, w.w};
-    float q[kChunkElems];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      q[2 * i] = divide_fast(__uint_as_float(words[i] << 16), scale);
-      q[2 * i + 1] = divide_fast(__uint_as_float(words[i] & 0xffff0000u), scale);
-    }
-    out = make_uint2(cvt_fp8x4_satfinite<Dst>(q[0], q[1], q[2], q[3]),
-                     cvt_fp8x4_satfinite<Dst>(q[4], q[5], q[6], q[7]));
+    out = encode_bf16_chunk_word_fast<Dst>(w, scale);
   }
   return out;
+}
+template <typename Dst>
+__device__ __forceinline__ uint2 encode_bf16_chunk_word(const uint4 w, const Divisor& scale) {
+  return encode_bf16_chunk_word<Dst>(w, scale, bf16_chunk_range(w).bad);
 }
 #endif
 

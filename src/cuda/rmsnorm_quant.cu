@@ -14,6 +14,65 @@
 namespace mlakv {
 namespace cuda {
 
+namespace {
+
+// The exact-fit kernel (rmsnorm_quant_rows_kernel) for the row widths it is compiled for: one task
+// of N = 512, 1024, 1536, 2048, 4096, 5120, 7168 or 8192 (DeepSeek-V3 / Kimi-K2 q_c 1536, kv_c
+// 512 and hidden 7168 among them), or the dual form with q_c 1536 and kv_c 512. Returns false
+// (nothing launched) for other shapes, which take rmsnorm_quant_kernel.
+template <typename T, int kN>
+bool launch_rows_if(const RmsNormQuantKernelParams& params, int64_t N, int64_t num_blocks,
+                    int64_t max_norm_hidden, const Launch& launch) {
+  if (N != kN) return false;
+  launch_rmsnorm_quant_rows_kernel<T, kN, 0>(params, num_blocks, max_norm_hidden, launch);
+  return true;
+}
+
+bool launch_exact_fit(const core::RmsNormQuantArgs& args, int64_t max_norm_hidden,
+                      const Launch& launch) {
+  RmsNormQuantKernelParams params;
+  int64_t widths[2] = {0, 0};
+  int64_t num_blocks[2] = {0, 0};
+  int n = 0;  // tasks with rows, in order
+  for (int i = 0; i < args.num_tasks; ++i) {
+    const core::RmsNormQuantTask& task = args.tasks[i];
+    if (task.num_tokens == 0) continue;
+    // Compiled configurations (rmsq_two_rows_of): no residual or normed_out without a weight.
+    if (task.weight == nullptr && (task.residual != nullptr || task.normed_out != nullptr)) {
+      return false;
+    }
+    params.tasks[n] = task;
+    widths[n] = task.hidden;
+    num_blocks[n] = (task.num_tokens + kRmsqRowsPerBlock - 1) / kRmsqRowsPerBlock;
+    ++n;
+  }
+  params.num_rows_first = params.tasks[0].num_tokens;
+  params.num_blocks_first = num_blocks[0];
+  const int64_t total = num_blocks[0] + num_blocks[1];
+  bool launched = false;
+  MLAKV_MODEL_DTYPE_SWITCH(args.model_dtype, "cuda::rmsnorm_quant: model_dtype", T, [&] {
+    if (widths[1] != 0) {
+      if (widths[0] == 1536 && widths[1] == 512) {
+        launch_rmsnorm_quant_rows_kernel<T, 1536, 512>(params, total, max_norm_hidden, launch);
+        launched = true;
+      }
+      return;
+    }
+    const int64_t N = widths[0];
+    launched = launch_rows_if<T, 512>(params, N, total, max_norm_hidden, launch) ||
+               launch_rows_if<T, 1024>(params, N, total, max_norm_hidden, launch) ||
+               launch_rows_if<T, 1536>(params, N, total, max_norm_hidden, launch) ||
+               launch_rows_if<T, 2048>(params, N, total, max_norm_hidden, launch) ||
+               launch_rows_if<T, 4096>(params, N, total, max_norm_hidden, launch) ||
+               launch_rows_if<T, 5120>(params, N, total, max_norm_hidden, launch) ||
+               launch_rows_if<T, 7168>(params, N, total, max_norm_hidden, launch) ||
+               launch_rows_if<T, 8192>(params, N, total, max_norm_hidden, launch);
+  });
+  return launched;
+}
+
+}  // namespace
+
 void rmsnorm_quant(const core::RmsNormQuantArgs& args, const Context& ctx, int device_index) {
   RmsNormQuantKernelParams params;
   params.tasks[0] = args.tasks[0];
@@ -23,8 +82,7 @@ void rmsnorm_quant(const core::RmsNormQuantArgs& args, const Context& ctx, int d
       args.tasks[0].num_tokens + (args.num_tasks > 1 ? args.tasks[1].num_tokens : 0);
   if (num_blocks == 0) return;
 
-  // Threads: the widest row in at most kRmsqMaxChunksPerThread chunks a thread, at least two
-  // warps (N = 512: 64 threads, one chunk each; N = 1536: 64 x 3; N = 7168: 224 x 4).
+  // Threads: rmsq_threads_for the widest row.
   int64_t max_chunks = 0;
   int64_t max_norm_hidden = 0;
   for (int i = 0; i < args.num_tasks; ++i) {
@@ -35,9 +93,7 @@ void rmsnorm_quant(const core::RmsNormQuantArgs& args, const Context& ctx, int d
       max_norm_hidden = std::max(max_norm_hidden, task.hidden);
     }
   }
-  int64_t threads = (max_chunks + kRmsqMaxChunksPerThread - 1) / kRmsqMaxChunksPerThread;
-  threads = (threads + kWarpSize - 1) / kWarpSize * kWarpSize;
-  threads = std::max<int64_t>(threads, 2 * kWarpSize);
+  const int64_t threads = rmsq_threads_for(max_chunks);
   MLAKV_CHECK(threads <= kRmsqMaxThreads, "cuda::rmsnorm_quant: hidden: a row of ",
               max_chunks * kChunkElems, " elements needs more than ", kRmsqMaxThreads,
               " threads x ", kRmsqMaxChunksPerThread, " chunks");
@@ -47,6 +103,7 @@ void rmsnorm_quant(const core::RmsNormQuantArgs& args, const Context& ctx, int d
 
   DeviceGuard guard(device_index);
   const Launch launch = launch_of(ctx);
+  if (launch_exact_fit(args, max_norm_hidden, launch)) return;
   MLAKV_MODEL_DTYPE_SWITCH(args.model_dtype, "cuda::rmsnorm_quant: model_dtype", T, [&] {
     launch_rmsnorm_quant_kernel<T>(params, num_blocks, static_cast<int>(threads), max_norm_hidden,
                                    launch);
@@ -59,6 +116,25 @@ template void launch_rmsnorm_quant_kernel<num::Half>(const RmsNormQuantKernelPar
                                                      int64_t, const Launch&);
 template void launch_rmsnorm_quant_kernel<float>(const RmsNormQuantKernelParams&, int64_t, int,
                                                  int64_t, const Launch&);
+
+#define MLAKV_RMSQ_ROWS_INSTANCE(T, N0, N1)                                                  \
+  template void launch_rmsnorm_quant_rows_kernel<T, N0, N1>(const RmsNormQuantKernelParams&, \
+                                                            int64_t, int64_t, const Launch&);
+#define MLAKV_RMSQ_ROWS_INSTANCES(T)   \
+  MLAKV_RMSQ_ROWS_INSTANCE(T, 512, 0)  \
+  MLAKV_RMSQ_ROWS_INSTANCE(T, 1024, 0) \
+  MLAKV_RMSQ_ROWS_INSTANCE(T, 1536, 0) \
+  MLAKV_RMSQ_ROWS_INSTANCE(T, 2048, 0) \
+  MLAKV_RMSQ_ROWS_INSTANCE(T, 4096, 0) \
+  MLAKV_RMSQ_ROWS_INSTANCE(T, 5120, 0) \
+  MLAKV_RMSQ_ROWS_INSTANCE(T, 7168, 0) \
+  MLAKV_RMSQ_ROWS_INSTANCE(T, 8192, 0) \
+  MLAKV_RMSQ_ROWS_INSTANCE(T, 1536, 512)
+MLAKV_RMSQ_ROWS_INSTANCES(num::Bf16)
+MLAKV_RMSQ_ROWS_INSTANCES(num::Half)
+MLAKV_RMSQ_ROWS_INSTANCES(float)
+#undef MLAKV_RMSQ_ROWS_INSTANCE
+#undef MLAKV_RMSQ_ROWS_INSTANCES
 
 }  // namespace cuda
 }  // namespace mlakv

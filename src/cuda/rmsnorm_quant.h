@@ -30,9 +30,40 @@ constexpr size_t rmsq_smem_bytes(int64_t N) {
   return static_cast<size_t>(N) * (sizeof(float) + (kRmsqStagesWeight<T> ? sizeof(T) : 0));
 }
 
+// Threads of a block whose widest row has max_chunks chunks: at most kRmsqMaxChunksPerThread
+// chunks a thread, a multiple of 32, at least two warps (N = 512: 64 threads, one chunk each;
+// N = 1536: 64 x 3; N = 7168: 224 x 4).
+constexpr int64_t rmsq_threads_for(int64_t max_chunks) {
+  const int64_t t = (max_chunks + kRmsqMaxChunksPerThread - 1) / kRmsqMaxChunksPerThread;
+  const int64_t warps = (t + 31) / 32;
+  return (warps < 2 ? 2 : warps) * 32;
+}
+
+// The exact-fit kernel (rmsnorm_quant_rows_kernel), compiled for a few row widths (N0, and N1 > 0
+// for the dual form): the same threads as above, every thread holding the same number of chunks
+// of every row (kChunks, a compile-time constant like the offsets between them), a block taking
+// kRmsqRowsPerBlock rows of one task.
+constexpr int kRmsqRowsPerBlock = 2;
+constexpr int rmsq_rows_threads(int N0, int N1) {
+  return static_cast<int>(rmsq_threads_for((N0 > N1 ? N0 : N1) / 8));
+}
+
+// Dynamic shared memory of the exact-fit kernel: the squares of its two rows, each row's followed
+// by 16 unused floats (so that the two rows' ordered sums, run by the two half-warps of warp 0,
+// read different banks), then the staged weight.
+template <typename T>
+constexpr size_t rmsq_rows_smem_bytes(int64_t N) {
+  return N == 0 ? 0
+                : static_cast<size_t>(kRmsqRowsPerBlock * (N + 16)) * sizeof(float) +
+                      static_cast<size_t>(N) * (kRmsqStagesWeight<T> ? sizeof(T) : 0);
+}
+
 struct RmsNormQuantKernelParams {
   core::RmsNormQuantTask tasks[2];  // validated; tasks[1] unused unless the dual form
   int64_t num_rows_first = 0;       // blocks [0, num_rows_first) take tasks[0], the rest tasks[1]
+  // Exact-fit kernel: blocks [0, num_blocks_first) take rows (2b, 2b + 1) of tasks[0], the rest
+  // those of tasks[1].
+  int64_t num_blocks_first = 0;
 };
 
 // One block per row of either task; `threads` a multiple of 32 that covers the widest row in
@@ -41,6 +72,12 @@ struct RmsNormQuantKernelParams {
 template <typename T>
 void launch_rmsnorm_quant_kernel(const RmsNormQuantKernelParams& params, int64_t num_blocks,
                                  int threads, int64_t max_norm_hidden, const Launch& launch);
+
+// The exact-fit kernel for rows of N0 (task 0) and N1 (task 1, dual form; 0: none) elements:
+// `num_blocks` = ceil(T0 / 2) + ceil(T1 / 2).
+template <typename T, int kN0, int kN1>
+void launch_rmsnorm_quant_rows_kernel(const RmsNormQuantKernelParams& params, int64_t num_blocks,
+                                      int64_t max_norm_hidden, const Launch& launch);
 
 }  // namespace cuda
 }  // namespace mlakv

@@ -1,5 +1,10 @@
-// mlakv CUDA backend: the RMSNorm + FP8 per-token-group quantization kernel.
+// mlakv CUDA backend: the RMSNorm + FP8 per-token-group quantization kernels.
 //
+// Two kernels with the same numerics. rmsnorm_quant_rows_kernel (the exact-fit kernel, below)
+// takes the row widths it is compiled for (rmsnorm_quant.cu: N = 512 ... 8192, and the dual form
+// q_c 1536 + kv_c 512); rmsnorm_quant_kernel (the generic kernel, first) takes every other shape.
+//
+// ---- the generic kernel ----
 // One block per token row; the grid covers the rows of task 0 (q_c, or the only task), then the
 // rows of task 1 (kv_c of the dual form), so both norms of an MLA layer run in one launch.
 //
@@ -42,6 +47,33 @@
 // inputs >= +0, see the loop), and the quantization is the fused kernel's encode_chunk
 // (device_common.cuh; for bf16 its word form encode_bf16_chunk_word), so the bytes equal
 // num::quantize's.
+//
+// ---- the exact-fit kernel ----
+// For rows of N = kChunks * 8 * threads elements (threads as for the generic kernel,
+// rmsq_threads_for; kChunks and N compile-time): a block takes two rows (t0 = 2b, t0 + 1) of one
+// task, and thread tid holds chunk c = tid + i * threads of BOTH rows, i < kChunks, so that chunk
+// i of the two rows shares its weight chunk, its lanes and its group:
+//
+//   row t0      |c0 ... c(B-1)|cB ... |...      q_c (N = 1536, B = 64): 3 chunks a row a thread
+//   row t0 + 1  |c0 ... c(B-1)|cB ... |...      (the same thread for the same c)
+//
+// Without a row t0 + 1 (odd T) the second row is the first again (row strides 0): the same loads
+// and values, stored to the same places by the same thread after all its loads, so no store is
+// tested. Every offset is a compile-time constant; the weight, residual and normed_out cases are
+// template variants chosen once per block (rmsq_two_rows_of), so no branch or register move
+// joins them.
+//   1. a: every load of both rows at once (x; the residual of bf16 rows; the weight chunks by
+//      cp.async into shared memory); b: the residual sum, stored back; the elements kept as
+//      floats in registers; their squares to shared memory, row r at sq + r * (N + 16) (the 16
+//      put the second row's reads 16 banks away);
+//   2. warp 0 sums both rows (ordered_sums_of_two_rows: lanes 0-15 row t0, lanes 16-31 row
+//      t0 + 1, each half-warp in the CPU backend's order), lanes 0 and 16 store rms_inv;
+//   3. per chunk i: y = round((s * inv) * w) of both rows (one weight chunk), normed_out, then
+//      for bf16 quantize_two_bf16_chunks: the amax of both rows from packed bf16x2 magnitudes in
+//      one word and one set of five xor shuffles, the scales, and the e4m3 bytes by the
+//      precomputed reciprocal with one branch into the exact path (its comment says when it is
+//      taken and why the fast path is exact); fp16 and fp32 rows take the generic kernel's amax,
+//      group_scale and encode_e4m3 per row.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -376,6 +408,355 @@ __global__ void __launch_bounds__(kRmsqMaxThreads)
   }
 }
 
+// ---- the exact-fit kernel ---------------------------------------------------------------------
+// The ordered sums of two rows in one warp: lanes 0-15 sum row 0 (sq), lanes 16-31 row 1 (sq +
+// kRowStride), each half-warp in ordered_sum_of_squares's order (partial k of a row adds sq[k],
+// sq[k + 16], ... in order, then the 16 partials combine pairwise as combine_partial_sums does).
+// kN is a multiple of 256, so the reads go 16 ahead of the adds with no tail. The result is valid
+// in lanes 0 and 16.
+template <int kN, int kRowStride>
+__device__ __forceinline__ float ordered_sums_of_two_rows(const float* sq, int lane) {
+  constexpr int kAhead = 16;
+  constexpr int kPerLane = kN / kSumLanes;
+  static_assert(kPerLane % kAhead == 0, "rows of the exact-fit kernel are multiples of 256");
+  const int k = lane & (kSumLanes - 1);
+  const float* p = sq + (lane >= kSumLanes ? kRowStride : 0) + k;
+  float acc = 0.0f;
+#pragma unroll(kPerLane <= 128 ? kPerLane / kAhead : 1)
+  for (int j = 0; j < kPerLane; j += kAhead) {
+    float v[kAhead];
+#pragma unroll
+    for (int m = 0; m < kAhead; ++m) v[m] = p[(j + m) * kSumLanes];
+#pragma unroll
+    for (int m = 0; m < kAhead; ++m) acc = num::add_rn(acc, v[m]);
+  }
+#pragma unroll
+  for (int width = kSumLanes / 2; width > 0; width /= 2) {
+    const float other = __shfl_down_sync(kFullMask, acc, width, kSumLanes);
+    if (k < width) acc = num::add_rn(acc, other);
+  }
+  return acc;
+}
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+__device__ __forceinline__ uint32_t bf16x2_max(uint32_t a, uint32_t b) {
+  uint32_t r;
+  asm("max.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+  return r;  // halves: max(a, b), the other one where one is NaN
+}
+#endif
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+// Whether a positive float's bits lie in [lo, hi] (one unsigned compare).
+__device__ __forceinline__ bool bits_in(float v, uint32_t lo, uint32_t hi) {
+  return __float_as_uint(v) - lo <= hi - lo;
+}
+
+// Quantizes chunk i of both rows of a bf16 block (y[r]: its words) and stores the e4m3 bytes at
+// q + r * dq and, from the group's first lane, the scale at scale_ptr + r * dscale:
+// num::group_scale and num::quantize's bytes, in two ways.
+//   Amax: the chunk's magnitudes as packed halves (bf16_chunk_range); unless the chunk has an
+//   element outside [2^-60, 2^60] (`bad`), none is NaN and its absmax is num::amax_update's max;
+//   otherwise the NaN-ignoring max is taken per element (rare). The two rows' amax share one word
+//   (row r in half r) and one set of shuffles; a max of bf16 magnitudes is a bf16 value, so the
+//   halves are the exact float amax.
+//   Fast path, taken when neither chunk is `bad`, both amax are in [2^-60, 2^60] and both scales
+//   before the power-of-two rounding in [2^-60, 2^59] (so after it in [2^-60, 2^60]): amax / 448
+//   and y / scale by divide_fast (exact in that range, cuda::Divisor), max(q, floor) as fmaxf (q
+//   is not NaN), the power-of-two rounding of a normal positive scale as (u + 0x7fffff) &
+//   0xff800000 (the next power of two unless the mantissa is 0: group_scale_of_quotient's result
+//   for such scales), no branch but the one into the exact path.
+//   Exact path (any other chunk pair): num::group_scale and encode_chunk_exact_words, element by
+//   element.
+__device__ __forceinline__ void quantize_two_bf16_chunks(
+    const Bits<num::Bf16> (&y)[kRmsqRowsPerBlock], const int (&xor_offsets)[5],
+    const Divisor& by_e4m3_max, float scale_floor, bool pow2, uint8_t* q, int64_t dq,
+    float* scale_ptr, int64_t dscale, bool stores_scale) {
+  constexpr int kRows = kRmsqRowsPerBlock;
+  const Bf16ChunkRange range0 = bf16_chunk_range(y[0].w[0]);
+  const Bf16ChunkRange range1 = bf16_chunk_range(y[1].w[0]);
+  uint32_t m[kRows] = {range0.absmax, range1.absmax};
+  const uint32_t bad = range0.bad | range1.bad;
+  if (bad != 0u) {
+#pragma unroll
+    for (int row = 0; row < kRows; ++row) {
+      float v[kChunkElems];
+      unpack_chunk(y[row], v);
+      float a = 0.0f;
+#pragma unroll
+      for (int k = 0; k < kChunkElems; ++k) a = fmaxf(a, fabsf(v[k]));
+      m[row] = (__float_as_uint(a) >> 16) * 0x00010001u;
+    }
+  }
+  uint32_t both = bf16x2_max(__byte_perm(m[0], m[1], 0x5410), __byte_perm(m[0], m[1], 0x7632));
+#pragma unroll
+  for (int l = 0; l < 5; ++l)
+    both = bf16x2_max(both, __shfl_xor_sync(kFullMask, both, xor_offsets[l]));
+  const float amax[kRows] = {__uint_as_float(both << 16), __uint_as_float(both & 0xffff0000u)};
+  // Both halves of `both` in [2^-60, 2^60] (bf16 0x2180 .. 0x5d80), as in bf16_chunk_range.
+  bool fast = (bad | (((both + 0x227f227fu) | ~(both + 0x5e805e80u)) & 0x80008000u)) == 0u;
+  Divisor div[kRows];
+  float scale[kRows];
+#pragma unroll
+  for (int row = 0; row < kRows; ++row) {
+    const float s0 = fmaxf(divide_fast(amax[row], by_e4m3_max), scale_floor);
+    fast = fast && bits_in(s0, 0x21800000u, 0x5d000000u);  // [2^-60, 2^59]
+    const float s1 = __uint_as_float((__float_as_uint(s0) + 0x007fffffu) & 0xff800000u);
+    scale[row] = pow2 ? s1 : s0;
+    div[row].b = scale[row];
+    float y0;
+    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y0) : "f"(scale[row]));
+    div[row].y = __fmaf_rn(y0, __fmaf_rn(y0, -scale[row], 1.0f), y0);
+  }
+  uint2 bytes[kRows];
+  if (fast) {
+#pragma unroll
+    for (int row = 0; row < kRows; ++row) {
+      bytes[row] = encode_bf16_chunk_word_fast<num::Fp8E4M3>(y[row].w[0], div[row]);
+    }
+  } else {
+#pragma unroll
+    for (int row = 0; row < kRows; ++row) {
+      scale[row] = num::group_scale(amax[row], scale_floor, pow2);
+      bytes[row] = encode_chunk_exact_words<num::Fp8E4M3>(y[row].c, scale[row]);
+    }
+  }
+#pragma unroll
+  for (int row = 0; row < kRows; ++row) {
+    __stcs(reinterpret_cast<uint2*>(q + row * dq), bytes[row]);
+    if (stores_scale) __stcs(scale_ptr + row * dscale, scale[row]);
+  }
+}
+#endif
+
+// Rows t0 and t0 + 1 of one task whose rows are kN wide, on kThreads threads (kChunks chunks a
+// thread). Without a row t0 + 1 (t0 = T - 1) the second row is the first again: the same loads,
+// the same values, stored to the same places (after every load, by the same thread), so no store
+// needs a test. kNormalize: the task has a weight, kResidual: a residual, kNormed: a normed_out
+// (compile-time, so that no register moves merge the paths with and without them).
+template <typename T, int kN, int kThreads, bool kNormalize, bool kResidual, bool kNormed>
+__device__ __forceinline__ void rmsq_two_rows(const core::RmsNormQuantTask& task, int64_t t0,
+                                              uint4* smem16, float* s_inv) {
+  constexpr int kRows = kRmsqRowsPerBlock;
+  constexpr int kChunks = kN / kChunkElems / kThreads;
+  static_assert(kChunks * kChunkElems * kThreads == kN && kChunks <= kRmsqMaxChunksPerThread,
+                "an exact fit");
+  constexpr int kStep = kThreads * kChunkElems;  // elements from one chunk of a thread to the next
+  constexpr int kSqRowStride = kN + kSumLanes;   // floats; the 16 extra shift row 1 by 16 banks
+  constexpr bool kWeightEarly = kRmsqStagesWeight<T>;
+  constexpr bool kResidualEarly = std::is_same_v<T, num::Bf16>;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  constexpr bool kPackedAmax = std::is_same_v<T, num::Bf16>;
+#else
+  constexpr bool kPackedAmax = false;
+#endif
+  const bool has_b = t0 + 1 < task.num_tokens;
+  const int tid = static_cast<int>(threadIdx.x);
+  const int lane = tid % kWarpSize;
+  const int e0 = tid * kChunkElems;
+  float* sq = reinterpret_cast<float*>(smem16);
+
+  // Row r of a per-token tensor starts at row 0's pointer + r * stride; for a missing second row
+  // the stride is 0 (it reads row 0 again and stores nothing).
+  const T* x = static_cast<const T*>(task.input) + t0 * task.stride_input_token + e0;
+  const int64_t dx = has_b ? task.stride_input_token : 0;
+  const T* w = kNormalize ? static_cast<const T*>(task.weight) + e0 : nullptr;
+  constexpr int kWeightStaged = kRows * kSqRowStride / 4;  // chunk c at smem16[kWeightStaged + c]
+  const unsigned w_staged_addr =
+      static_cast<unsigned>(__cvta_generic_to_shared(smem16 + kWeightStaged + tid));
+  T* residual =
+      kResidual ? static_cast<T*>(task.residual) + t0 * task.stride_residual_token + e0 : nullptr;
+  const int64_t dres = has_b ? task.stride_residual_token : 0;
+
+  // Phase 1a: every load of both rows at once.
+  Bits<T> s[kRows][kChunks];
+  Bits<T> r[kRows][kChunks];
+#pragma unroll
+  for (int i = 0; i < kChunks; ++i) {
+#pragma unroll
+    for (int row = 0; row < kRows; ++row) s[row][i] = load_bits(x + row * dx + i * kStep);
+  }
+  if (kResidualEarly && kResidual) {
+#pragma unroll
+    for (int i = 0; i < kChunks; ++i) {
+#pragma unroll
+      for (int row = 0; row < kRows; ++row)
+        r[row][i] = load_bits(residual + row * dres + i * kStep);
+    }
+  }
+  if (kWeightEarly && kNormalize) {
+#pragma unroll
+    for (int i = 0; i < kChunks; ++i)
+      copy_chunk_async(w_staged_addr + i * kThreads * 16u, w + i * kStep);
+  }
+  // Phase 1b: s = round(x + residual) stored back into the residual; the squares to shared
+  // memory; the elements of s kept as floats for phase 3.
+  if (kResidual) {
+#pragma unroll
+    for (int i = 0; i < kChunks; ++i) {
+      if (!kResidualEarly) {  // both rows' loads before either store (the rows may be one)
+#pragma unroll
+        for (int row = 0; row < kRows; ++row)
+          r[row][i] = load_bits(residual + row * dres + i * kStep);
+      }
+#pragma unroll
+      for (int row = 0; row < kRows; ++row) {
+        float a[kChunkElems], b[kChunkElems];
+        unpack_chunk(s[row][i], a);
+        unpack_chunk(r[row][i], b);
+#pragma unroll
+        for (int k = 0; k < kChunkElems; ++k) a[k] = num::add_rn(a[k], b[k]);
+        s[row][i] = pack_chunk_rn<T>(a);
+        store_bits(residual + row * dres + i * kStep, s[row][i]);
+      }
+    }
+  }
+  float sf[kRows][kChunks][kChunkElems];
+  float inv[kRows] = {1.0f, 1.0f};
+  if constexpr (kNormalize) {
+#pragma unroll
+    for (int i = 0; i < kChunks; ++i) {
+#pragma unroll
+      for (int row = 0; row < kRows; ++row) {
+        float v[kChunkElems];
+        unpack_chunk(s[row][i], sf[row][i]);
+#pragma unroll
+        for (int k = 0; k < kChunkElems; ++k) v[k] = num::mul_rn(sf[row][i][k], sf[row][i][k]);
+        float4* dst = reinterpret_cast<float4*>(sq + row * kSqRowStride + e0 + i * kStep);
+        dst[0] = make_float4(v[0], v[1], v[2], v[3]);
+        dst[1] = make_float4(v[4], v[5], v[6], v[7]);
+      }
+    }
+    // Phase 2: warp 0 runs both rows' ordered sums, one per half-warp.
+    __syncthreads();
+    if (tid < kWarpSize) {
+      const float sum = ordered_sums_of_two_rows<kN, kSqRowStride>(sq, lane);
+      if ((lane & (kSumLanes - 1)) == 0) s_inv[lane / kSumLanes] = num::rms_inv(sum, kN, task.eps);
+    }
+    __syncthreads();
+#pragma unroll
+    for (int row = 0; row < kRows; ++row) inv[row] = s_inv[row];
+    if (kWeightEarly) cp_async_wait_all();  // this thread's own weight chunks
+  }
+
+  // Phase 3: normalize, store, quantize; chunk i of both rows together (same lanes, same group).
+  T* normed =
+      kNormed ? static_cast<T*>(task.normed_out) + t0 * task.stride_normed_out_token + e0 : nullptr;
+  const int64_t dnormed = has_b ? task.stride_normed_out_token : 0;
+  uint8_t* q = task.quant_values != nullptr
+                   ? task.quant_values + t0 * task.stride_quant_values_token + e0
+                   : nullptr;
+  const int64_t dq = has_b ? task.stride_quant_values_token : 0;
+  const int lanes_per_group = static_cast<int>(task.group_size / kChunkElems);
+  const int group_shift = __ffs(lanes_per_group) - 1;
+  const int64_t scale_step =
+      static_cast<int64_t>(kThreads >> group_shift) * task.stride_scales_group;
+  int xor_offsets[5];  // 16, 8, 4, 2, 1 where inside the group, else 0
+#pragma unroll
+  for (int l = 0; l < 5; ++l) xor_offsets[l] = (kWarpSize / 2 >> l) & (lanes_per_group - 1);
+  const bool stores_scale = (lane & (lanes_per_group - 1)) == 0;
+  float* scale_ptr = q != nullptr
+                         ? task.scales + t0 * task.stride_scales_token +
+                               static_cast<int64_t>(tid >> group_shift) * task.stride_scales_group
+                         : nullptr;
+  const int64_t dscale = has_b ? task.stride_scales_token : 0;
+  const Divisor by_e4m3_max = make_divisor(num::kE4M3Max);
+#pragma unroll
+  for (int i = 0; i < kChunks; ++i) {
+    Bits<T> y[kRows];
+    if constexpr (kNormalize) {
+      Bits<T> wk;
+      if constexpr (kWeightEarly) {
+        wk.w[0] = smem16[kWeightStaged + tid + i * kThreads];
+      } else {
+        wk = load_bits_ro(w + i * kStep);
+      }
+      float wv[kChunkElems];
+      unpack_chunk(wk, wv);
+#pragma unroll
+      for (int row = 0; row < kRows; ++row) {
+        float v[kChunkElems];
+#pragma unroll
+        for (int k = 0; k < kChunkElems; ++k) v[k] = num::rms_apply(sf[row][i][k], inv[row], wv[k]);
+        y[row] = pack_chunk_rn<T>(v);
+      }
+    } else {
+#pragma unroll
+      for (int row = 0; row < kRows; ++row) y[row] = s[row][i];
+    }
+    if constexpr (kNormed) {
+#pragma unroll
+      for (int row = 0; row < kRows; ++row)
+        store_bits_cs(normed + row * dnormed + i * kStep, y[row]);
+    }
+    if (q == nullptr) continue;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+    if constexpr (kPackedAmax) {
+      quantize_two_bf16_chunks(y, xor_offsets, by_e4m3_max, task.scale_floor, task.pow2_scale,
+                               q + i * kStep, dq, scale_ptr + i * scale_step, dscale, stores_scale);
+    } else  // NOLINT(readability/braces)
+#endif
+    {
+      // The group amax of each row (num::amax_update: the largest non-NaN |y|, >= +0).
+#pragma unroll
+      for (int row = 0; row < kRows; ++row) {
+        float yv[kChunkElems];
+        unpack_chunk(y[row], yv);
+        // num::amax_update as fmaxf: equal for inputs >= +0 (see rmsnorm_quant_kernel).
+        float a = 0.0f;
+#pragma unroll
+        for (int k = 0; k < kChunkElems; ++k) a = fmaxf(a, fabsf(yv[k]));
+        a = group_max_xor(a, xor_offsets);
+        const float scale = num::group_scale(a, task.scale_floor, task.pow2_scale);
+        __stcs(reinterpret_cast<uint2*>(q + row * dq + i * kStep), encode_e4m3(y[row], scale));
+        if (stores_scale) __stcs(scale_ptr + row * dscale + i * scale_step, scale);
+      }
+    }
+  }
+}
+
+// The configurations the exact-fit kernel is compiled for (rmsq_rows_supported decides on the
+// host): a weight with or without a residual and a normed_out, or neither of the three
+// (per_token_group_quant_fp8).
+template <typename T, int kN, int kThreads>
+__device__ __forceinline__ void rmsq_two_rows_of(const core::RmsNormQuantTask& task, int64_t t0,
+                                                 uint4* smem16, float* s_inv) {
+  const bool residual = task.residual != nullptr;
+  const bool normed = task.normed_out != nullptr;
+  if (task.weight == nullptr) {
+    rmsq_two_rows<T, kN, kThreads, false, false, false>(task, t0, smem16, s_inv);
+  } else if (residual) {
+    if (normed) {
+      rmsq_two_rows<T, kN, kThreads, true, true, true>(task, t0, smem16, s_inv);
+    } else {
+      rmsq_two_rows<T, kN, kThreads, true, true, false>(task, t0, smem16, s_inv);
+    }
+  } else if (normed) {
+    rmsq_two_rows<T, kN, kThreads, true, false, true>(task, t0, smem16, s_inv);
+  } else {
+    rmsq_two_rows<T, kN, kThreads, true, false, false>(task, t0, smem16, s_inv);
+  }
+}
+
+// Exact-fit rows (rmsnorm_quant.h): blocks [0, num_blocks_first) take rows (2b, 2b + 1) of task
+// 0 (rows kN0 wide), the rest (kN1 > 0: the dual form) rows of task 1 (kN1 wide).
+template <typename T, int kN0, int kN1>
+__global__ void __launch_bounds__(rmsq_rows_threads(kN0, kN1))
+    rmsnorm_quant_rows_kernel(const __grid_constant__ RmsNormQuantKernelParams params) {
+  constexpr int kThreads = rmsq_rows_threads(kN0, kN1);
+  extern __shared__ uint4 smem16[];
+  __shared__ float s_inv[kRmsqRowsPerBlock];
+  pdl_wait();
+  pdl_launch_dependents();
+  const int64_t block = static_cast<int64_t>(blockIdx.x);
+  if (kN1 > 0 && block >= params.num_blocks_first) {
+    rmsq_two_rows_of<T, (kN1 > 0 ? kN1 : kN0), kThreads>(
+        params.tasks[1], kRmsqRowsPerBlock * (block - params.num_blocks_first), smem16, s_inv);
+  } else {
+    rmsq_two_rows_of<T, kN0, kThreads>(params.tasks[0], kRmsqRowsPerBlock * block, smem16, s_inv);
+  }
+}
+
 }  // namespace rmsq
 
 template <typename T>
@@ -392,6 +773,22 @@ void launch_rmsnorm_quant_kernel(const RmsNormQuantKernelParams& params, int64_t
   }
   launch_kernel("rmsnorm_quant_kernel", rmsq::rmsnorm_quant_kernel<T>,
                 static_cast<unsigned>(num_blocks), static_cast<unsigned>(threads), smem_bytes,
+                launch, params);
+}
+
+template <typename T, int kN0, int kN1>
+void launch_rmsnorm_quant_rows_kernel(const RmsNormQuantKernelParams& params, int64_t num_blocks,
+                                      int64_t max_norm_hidden, const Launch& launch) {
+  constexpr int kThreads = rmsq_rows_threads(kN0, kN1);
+  const size_t smem_bytes = rmsq_rows_smem_bytes<T>(max_norm_hidden);
+  constexpr size_t kDefaultSmemBytes = 48 * 1024;
+  if (smem_bytes > kDefaultSmemBytes) {
+    MLAKV_CUDA_CHECK(cudaFuncSetAttribute(rmsq::rmsnorm_quant_rows_kernel<T, kN0, kN1>,
+                                          cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                          static_cast<int>(smem_bytes)));
+  }
+  launch_kernel("rmsnorm_quant_rows_kernel", rmsq::rmsnorm_quant_rows_kernel<T, kN0, kN1>,
+                static_cast<unsigned>(num_blocks), static_cast<unsigned>(kThreads), smem_bytes,
                 launch, params);
 }
 
