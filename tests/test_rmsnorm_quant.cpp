@@ -465,8 +465,9 @@ TEST_P(RmsNormQuantTest, GroupSizesPow2AndFloat32) {
   run_rmsnorm_quant(odd, ++seed);
 }
 
-// Row widths of the CUDA backend's exact-fit kernel (two rows a block, so odd T leaves a block
-// with one row) and of its generic kernel (768, 2560), every option on.
+// Row widths of the CUDA backend's exact-fit kernel (512, 1024; 1536 in most other tests; two
+// rows a block, so odd T leaves a block with one row) and of its generic kernel (the others),
+// every option on.
 TEST_P(RmsNormQuantTest, ExactFitAndGenericWidths) {
   uint64_t seed = 1100;
   for (DType dt : {DType::kBFloat16, DType::kFloat16, DType::kFloat32}) {

@@ -1,8 +1,9 @@
 // mlakv CUDA backend: the RMSNorm + FP8 per-token-group quantization kernels.
 //
 // Two kernels with the same numerics. rmsnorm_quant_rows_kernel (the exact-fit kernel, below)
-// takes the row widths it is compiled for (rmsnorm_quant.cu: N = 512 ... 8192, and the dual form
-// q_c 1536 + kv_c 512); rmsnorm_quant_kernel (the generic kernel, first) takes every other shape.
+// takes the row widths it is compiled for (rmsnorm_quant.cu: N = 512, 1024, 1536, and the dual
+// form q_c 1536 + kv_c 512); rmsnorm_quant_kernel (the generic kernel, first) takes every other
+// shape.
 //
 // ---- the generic kernel ----
 // One block per token row; the grid covers the rows of task 0 (q_c, or the only task), then the
