@@ -762,6 +762,55 @@ TEST_P(RmsNormQuantTest, DualForm) {
 }
 
 // The dual form's kv_c part is the library's rms_norm, bit for bit, on one backend.
+// Different token counts for the two tasks (one may be 0): the CUDA exact-fit kernel's blocks
+// take two rows of one task each, ceil(T_q / 2) blocks of q_c first.
+TEST_P(RmsNormQuantTest, DualFormTokenCounts) {
+  uint64_t seed = 1300;
+  const int64_t counts[][2] = {{5, 3}, {0, 4}, {3, 0}, {2, 7}};
+  for (DType dt : {DType::kBFloat16, DType::kFloat32}) {
+    for (const auto& tc : counts) {
+      Case qc;
+      qc.name = "dual q_c";
+      qc.dtype = dt;
+      qc.N = 1536;
+      qc.T = tc[0];
+      qc.residual = tc[0] == 5;
+      qc.normed = Case::kSeparate;
+      Case kc;
+      kc.name = "dual kv_c";
+      kc.dtype = dt;
+      kc.N = 512;
+      kc.T = tc[1];
+      kc.normed = Case::kSeparate;
+      const std::string label = case_label(qc) + " / " + case_label(kc);
+      SCOPED_TRACE(label);
+      std::mt19937_64 rng(++seed);
+      Job q = make_job(device(), qc, rng, true, true);
+      Job kv = make_job(device(), kc, rng, true, false);
+      upload(q);
+      upload(kv);
+      reference(ref_job(q, qc));
+      reference(ref_job(kv, kc));
+      MlaRmsNormQuantParams p;
+      p.q.num_tokens = qc.T;
+      p.q.input = q.input.device_view();
+      p.q.weight = q.weight.device_view();
+      p.q.eps = qc.eps;
+      p.q.residual = q.residual.device_view();
+      p.q.normed_out = q.normed_out.device_view();
+      p.q.quant = quant_view(q, qc);
+      p.kv.num_tokens = kc.T;
+      p.kv.input = kv.input.device_view();
+      p.kv.weight = kv.weight.device_view();
+      p.kv.eps = kc.eps;
+      p.kv.output = kv.normed_out.device_view();
+      mla_rmsnorm_quant(p);
+      expect_job_matches(q, qc, label + " q");
+      expect_job_matches(kv, kc, label + " kv");
+    }
+  }
+}
+
 TEST_P(RmsNormQuantTest, DualKvEqualsRmsNorm) {
   Case qc;
   qc.N = 1536;
