@@ -588,7 +588,7 @@ __device__ __forceinline__ void rmsq_two_rows(const core::RmsNormQuantTask& task
   if (kWeightEarly && kNormalize) {
 #pragma unroll
     for (int i = 0; i < kChunks; ++i)
-      copy_chunk_async(w_staged_addr + i * kThreads * 16u, w + i * kStep);
+      copy_chunk_async<T, /*kCached=*/true>(w_staged_addr + i * kThreads * 16u, w + i * kStep);
   }
   // Phase 1b: s = round(x + residual) stored back into the residual; the squares to shared
   // memory; the elements of s kept as floats for phase 3.
