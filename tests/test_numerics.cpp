@@ -111,6 +111,18 @@ TEST(Fp8Known, NaNStaysNaN) {
   EXPECT_TRUE(std::isnan(ref::fp8_to_float(0xff, DType::kFloat8E4M3)));
 }
 
+// fp32 storage: every NaN becomes 0x7fffffff (whatever its sign and payload, as the GPU's
+// arithmetic gives), every other value keeps its bits.
+TEST(FromFloat, Float32NaNIsCanonical) {
+  for (uint32_t bits : {0x7fc00000u, 0xffc00000u, 0x7f800001u, 0xffc00001u, 0x7fffffffu}) {
+    EXPECT_EQ(num::float_bits(num::from_float<float>(bits_to_float(bits))), 0x7fffffffu) << bits;
+  }
+  for (uint32_t bits : {0x00000000u, 0x80000000u, 0x00000001u, 0x807fffffu, 0x3f800000u,
+                        0x7f7fffffu, 0x7f800000u, 0xff800000u}) {
+    EXPECT_EQ(num::float_bits(num::from_float<float>(bits_to_float(bits))), bits) << bits;
+  }
+}
+
 TEST(Fp8Decode, AllCodesAgree) {
   for (int c = 0; c < 256; ++c) {
     const uint8_t code = static_cast<uint8_t>(c);

@@ -200,12 +200,15 @@ MLAKV_HD float to_float(Fp8E5M2 v) {
 
 MLAKV_HD float to_float(float v) { return v; }
 
-// Round a float to storage type T (float: identity).
+// Round a float to storage type T. float: the value itself, except that every NaN becomes the
+// canonical NaN 0x7fffffff (what the GPU's arithmetic produces; an x86 operation passes an
+// operand's payload and sign on), so that fp32 results agree bitwise across backends as the 16-bit
+// roundings' canonical NaNs do.
 template <typename T>
 MLAKV_HD T from_float(float f);
 template <>
 MLAKV_HD float from_float<float>(float f) {
-  return f;
+  return (float_bits(f) & 0x7fffffffu) > 0x7f800000u ? bits_float(0x7fffffffu) : f;
 }
 template <>
 MLAKV_HD Bf16 from_float<Bf16>(float f) {

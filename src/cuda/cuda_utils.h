@@ -90,6 +90,20 @@ void launch_kernel(const char* name, void (*kernel)(Params...), unsigned grid, u
     config.attrs = &attribute;
     config.numAttrs = 1;
   }
+  // A block may use 48 KB of shared memory, static and dynamic together, unless its kernel opts in
+  // to more. mlakv's kernels have under 1 KB of static shared memory, so only a dynamic size
+  // within 1 KB of the limit needs the kernel's attributes read (a row of 8192 bf16 elements in
+  // rmsnorm_quant_kernel asks for exactly 48 KB).
+  constexpr size_t kDefaultSmemLimit = 48 * 1024;
+  constexpr size_t kStaticSmemBound = 1024;
+  if (smem_bytes + kStaticSmemBound > kDefaultSmemLimit) {
+    cudaFuncAttributes attributes = {};
+    MLAKV_CUDA_CHECK(cudaFuncGetAttributes(&attributes, kernel));
+    if (attributes.sharedSizeBytes + smem_bytes > kDefaultSmemLimit) {
+      MLAKV_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                            static_cast<int>(smem_bytes)));
+    }
+  }
   const cudaError_t err = cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
   if (err != cudaSuccess) {
     MLAKV_FAIL("launch of ", name, " failed: ", cudaGetErrorName(err), ": ",

@@ -117,8 +117,8 @@ __device__ __forceinline__ void round2(float a, float b, T& ra, T& rb) {
     ra = num::Half{__half_as_ushort(r.x)};
     rb = num::Half{__half_as_ushort(r.y)};
   } else {
-    ra = a;
-    rb = b;
+    ra = num::from_float<T>(a);
+    rb = num::from_float<T>(b);
   }
 }
 
@@ -763,15 +763,9 @@ __global__ void __launch_bounds__(rmsq_rows_threads(kN0, kN1))
 template <typename T>
 void launch_rmsnorm_quant_kernel(const RmsNormQuantKernelParams& params, int64_t num_blocks,
                                  int threads, int64_t max_norm_hidden, const Launch& launch) {
-  // Wide rows (N > 8192 for 16-bit, 12288 for fp32 dtypes) need more than the default 48 KB of
-  // dynamic shared memory.
+  // Wide rows (N >= 8192 for 16-bit, > 12288 for fp32 dtypes) need more than the default 48 KB
+  // of shared memory: launch_kernel opts the kernel in.
   const size_t smem_bytes = rmsq_smem_bytes<T>(max_norm_hidden);
-  constexpr size_t kDefaultSmemBytes = 48 * 1024;
-  if (smem_bytes > kDefaultSmemBytes) {
-    MLAKV_CUDA_CHECK(cudaFuncSetAttribute(rmsq::rmsnorm_quant_kernel<T>,
-                                          cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                          static_cast<int>(smem_bytes)));
-  }
   launch_kernel("rmsnorm_quant_kernel", rmsq::rmsnorm_quant_kernel<T>,
                 static_cast<unsigned>(num_blocks), static_cast<unsigned>(threads), smem_bytes,
                 launch, params);
@@ -782,12 +776,6 @@ void launch_rmsnorm_quant_rows_kernel(const RmsNormQuantKernelParams& params, in
                                       int64_t max_norm_hidden, const Launch& launch) {
   constexpr int kThreads = rmsq_rows_threads(kN0, kN1);
   const size_t smem_bytes = rmsq_rows_smem_bytes<T>(max_norm_hidden);
-  constexpr size_t kDefaultSmemBytes = 48 * 1024;
-  if (smem_bytes > kDefaultSmemBytes) {
-    MLAKV_CUDA_CHECK(cudaFuncSetAttribute(rmsq::rmsnorm_quant_rows_kernel<T, kN0, kN1>,
-                                          cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                          static_cast<int>(smem_bytes)));
-  }
   launch_kernel("rmsnorm_quant_rows_kernel", rmsq::rmsnorm_quant_rows_kernel<T, kN0, kN1>,
                 static_cast<unsigned>(num_blocks), static_cast<unsigned>(kThreads), smem_bytes,
                 launch, params);
