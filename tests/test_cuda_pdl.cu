@@ -122,6 +122,11 @@ class DelayedInputRunner {
     for (const NamedBuffer& out : setup.outputs) {
       initial_outputs_.push_back(device_snapshot(*out.buffer));
     }
+    // A device-to-device cudaMemcpy (and the uploads before it) may still run on the legacy
+    // stream when it returns, and the test's stream does not wait for that stream
+    // (cudaStreamNonBlocking): without this the producer once copied an unfinished staging
+    // snapshot.
+    MLAKV_CUDA_CHECK(cudaDeviceSynchronize());
   }
 
   // With deliver == false the producer is left out: the op reads the poison itself.
