@@ -327,6 +327,25 @@ Fp8GroupQuantOutput quant_view(const Job& j, const Case& c) {
   return q;
 }
 
+// The dual form's parameters: q_c's job normalized and quantized (with the residual and
+// normed_out it has, if any), kv_c's job normalized into its normed_out.
+MlaRmsNormQuantParams dual_params(const Job& q, const Case& qc, const Job& kv, const Case& kc) {
+  MlaRmsNormQuantParams p;
+  p.q.num_tokens = qc.T;
+  p.q.input = q.input.device_view();
+  p.q.weight = q.weight.device_view();
+  p.q.eps = qc.eps;
+  p.q.residual = q.residual.device_view();
+  p.q.normed_out = q.normed_out.device_view();
+  p.q.quant = quant_view(q, qc);
+  p.kv.num_tokens = kc.T;
+  p.kv.input = kv.input.device_view();
+  p.kv.weight = kv.weight.device_view();
+  p.kv.eps = kc.eps;
+  p.kv.output = kv.normed_out.device_view();
+  return p;
+}
+
 RefJob ref_job(const Job& j, const Case& c) {
   RefJob r;
   r.num_tokens = c.T;
@@ -741,18 +760,7 @@ TEST_P(RmsNormQuantTest, DualForm) {
         reference(ref_job(q, qc));
         reference(ref_job(kv, kc));
 
-        MlaRmsNormQuantParams p;
-        p.q.num_tokens = T;
-        p.q.input = q.input.device_view();
-        p.q.weight = q.weight.device_view();
-        p.q.eps = qc.eps;
-        p.q.normed_out = q.normed_out.device_view();
-        p.q.quant = quant_view(q, qc);
-        p.kv.num_tokens = T;
-        p.kv.input = kv.input.device_view();
-        p.kv.weight = kv.weight.device_view();
-        p.kv.eps = kc.eps;
-        p.kv.output = kv.normed_out.device_view();
+        MlaRmsNormQuantParams p = dual_params(q, qc, kv, kc);
         mla_rmsnorm_quant(p);
         expect_job_matches(q, qc, label + " q");
         expect_job_matches(kv, kc, label + " kv");
@@ -791,19 +799,7 @@ TEST_P(RmsNormQuantTest, DualFormTokenCounts) {
       upload(kv);
       reference(ref_job(q, qc));
       reference(ref_job(kv, kc));
-      MlaRmsNormQuantParams p;
-      p.q.num_tokens = qc.T;
-      p.q.input = q.input.device_view();
-      p.q.weight = q.weight.device_view();
-      p.q.eps = qc.eps;
-      p.q.residual = q.residual.device_view();
-      p.q.normed_out = q.normed_out.device_view();
-      p.q.quant = quant_view(q, qc);
-      p.kv.num_tokens = kc.T;
-      p.kv.input = kv.input.device_view();
-      p.kv.weight = kv.weight.device_view();
-      p.kv.eps = kc.eps;
-      p.kv.output = kv.normed_out.device_view();
+      MlaRmsNormQuantParams p = dual_params(q, qc, kv, kc);
       mla_rmsnorm_quant(p);
       expect_job_matches(q, qc, label + " q");
       expect_job_matches(kv, kc, label + " kv");
@@ -824,15 +820,7 @@ TEST_P(RmsNormQuantTest, DualKvEqualsRmsNorm) {
   Job kv = make_job(device(), kc, rng, true, false);
   upload(q);
   upload(kv);
-  MlaRmsNormQuantParams p;
-  p.q.num_tokens = qc.T;
-  p.q.input = q.input.device_view();
-  p.q.weight = q.weight.device_view();
-  p.q.quant = quant_view(q, qc);
-  p.kv.num_tokens = kc.T;
-  p.kv.input = kv.input.device_view();
-  p.kv.weight = kv.weight.device_view();
-  p.kv.output = kv.normed_out.device_view();
+  MlaRmsNormQuantParams p = dual_params(q, qc, kv, kc);
   mla_rmsnorm_quant(p);
 
   Tensor out = rows_tensor(device(), kc.dtype, kc.T + kc.extra_rows, kc.N, 0);
@@ -1019,18 +1007,7 @@ TEST_P(RmsNormQuantTest, DualBadArgumentsWriteNothing) {
   Job kv = make_job(dev, kc, rng, true, false);
   upload(q);
   upload(kv);
-  auto valid = [&] {
-    MlaRmsNormQuantParams p;
-    p.q.num_tokens = qc.T;
-    p.q.input = q.input.device_view();
-    p.q.weight = q.weight.device_view();
-    p.q.quant = quant_view(q, qc);
-    p.kv.num_tokens = kc.T;
-    p.kv.input = kv.input.device_view();
-    p.kv.weight = kv.weight.device_view();
-    p.kv.output = kv.normed_out.device_view();
-    return p;
-  };
+  auto valid = [&] { return dual_params(q, qc, kv, kc); };
   const Device other =
       dev.type == DeviceType::kCPU ? Device{DeviceType::kCUDA, 0} : Device{DeviceType::kCPU, 0};
   struct Mutation {

@@ -45,7 +45,7 @@
 // Numerics: src/common/numerics.h for the arithmetic (mul_rn, add_rn, rms_inv, rms_apply,
 // group_scale); the roundings use the hardware conversions, which are round-to-nearest-even like
 // num::from_float (cvt.rn.bf16x2 / f16x2), amax is num::amax_update written as fmaxf (equal for
-// inputs >= +0, see the loop), and the quantization is the fused kernel's encode_chunk
+// inputs >= +0, chunk_amax), and the quantization is the fused kernel's encode_chunk
 // (device_common.cuh; for bf16 its word form encode_bf16_chunk_word), so the bytes equal
 // num::quantize's.
 //
@@ -195,6 +195,19 @@ __device__ __forceinline__ Bits<T> pack_chunk_rn(const float (&f)[kChunkElems]) 
     for (int k = 0; k < kChunkElems; k += 2) round2<T>(f[k], f[k + 1], u.c.v[k], u.c.v[k + 1]);
   }
   return u;
+}
+
+// The largest |y| of a chunk, NaN ignored (>= +0): num::amax_update as fmaxf. amax_update's
+// `|y| > amax ? |y| : amax` keeps amax for a NaN |y|, as fmaxf does, and both are >= +0, so the two
+// agree bit for bit; a max is order-free.
+template <typename T>
+__device__ __forceinline__ float chunk_amax(const Bits<T>& y) {
+  float v[kChunkElems];
+  unpack_chunk(y, v);
+  float amax = 0.0f;
+#pragma unroll
+  for (int k = 0; k < kChunkElems; ++k) amax = fmaxf(amax, fabsf(v[k]));
+  return amax;
 }
 
 // ---- the kernel ------------------------------------------------------------------------------
@@ -392,12 +405,7 @@ __global__ void __launch_bounds__(kRmsqMaxThreads)
         y = pack_chunk_rn<T>(xv);
       }
       if (normed != nullptr) store_bits_cs(normed + i * step, y);
-      float yv[kChunkElems];
-      unpack_chunk(y, yv);
-      // num::amax_update as fmaxf: |y| > amax ? |y| : amax keeps amax for a NaN |y|, as fmaxf
-      // does, and both are >= +0, so the two agree bit for bit.
-#pragma unroll
-      for (int k = 0; k < kChunkElems; ++k) amax = fmaxf(amax, fabsf(yv[k]));
+      amax = chunk_amax(y);
     }
     if (q == nullptr) continue;
     amax = group_max_xor(amax, xor_offsets);
@@ -481,12 +489,7 @@ __device__ __forceinline__ void quantize_two_bf16_chunks(
   if (bad != 0u) {
 #pragma unroll
     for (int row = 0; row < kRows; ++row) {
-      float v[kChunkElems];
-      unpack_chunk(y[row], v);
-      float a = 0.0f;
-#pragma unroll
-      for (int k = 0; k < kChunkElems; ++k) a = fmaxf(a, fabsf(v[k]));
-      m[row] = (__float_as_uint(a) >> 16) * 0x00010001u;
+      m[row] = (__float_as_uint(chunk_amax(y[row])) >> 16) * 0x00010001u;
     }
   }
   uint32_t both = bf16x2_max(__byte_perm(m[0], m[1], 0x5410), __byte_perm(m[0], m[1], 0x7632));
@@ -701,13 +704,7 @@ __device__ __forceinline__ void rmsq_two_rows(const core::RmsNormQuantTask& task
       // The group amax of each row (num::amax_update: the largest non-NaN |y|, >= +0).
 #pragma unroll
       for (int row = 0; row < kRows; ++row) {
-        float yv[kChunkElems];
-        unpack_chunk(y[row], yv);
-        // num::amax_update as fmaxf: equal for inputs >= +0 (see rmsnorm_quant_kernel).
-        float a = 0.0f;
-#pragma unroll
-        for (int k = 0; k < kChunkElems; ++k) a = fmaxf(a, fabsf(yv[k]));
-        a = group_max_xor(a, xor_offsets);
+        const float a = group_max_xor(chunk_amax(y[row]), xor_offsets);
         const float scale = num::group_scale(a, task.scale_floor, task.pow2_scale);
         __stcs(reinterpret_cast<uint2*>(q + row * dq + i * kStep), encode_e4m3(y[row], scale));
         if (stores_scale) __stcs(scale_ptr + row * dscale + i * scale_step, scale);
