@@ -329,15 +329,23 @@ Fp8GroupQuantOutput quant_view(const Job& j, const Case& c) {
 
 // The dual form's parameters: q_c's job normalized and quantized (with the residual and
 // normed_out it has, if any), kv_c's job normalized into its normed_out.
+// rmsnorm_quant's parameters for a job: its input, weight, eps, and the residual and normed_out
+// it has, if any.
+RmsNormQuantParams job_params(const Job& j, const Case& c) {
+  RmsNormQuantParams p;
+  p.num_tokens = c.T;
+  p.input = j.input.device_view();
+  p.weight = j.weight.device_view();
+  p.eps = c.eps;
+  p.residual = j.residual.device_view();
+  p.normed_out = j.normed_out.device_view();
+  p.quant = quant_view(j, c);
+  return p;
+}
+
 MlaRmsNormQuantParams dual_params(const Job& q, const Case& qc, const Job& kv, const Case& kc) {
   MlaRmsNormQuantParams p;
-  p.q.num_tokens = qc.T;
-  p.q.input = q.input.device_view();
-  p.q.weight = q.weight.device_view();
-  p.q.eps = qc.eps;
-  p.q.residual = q.residual.device_view();
-  p.q.normed_out = q.normed_out.device_view();
-  p.q.quant = quant_view(q, qc);
+  p.q = job_params(q, qc);
   p.kv.num_tokens = kc.T;
   p.kv.input = kv.input.device_view();
   p.kv.weight = kv.weight.device_view();
@@ -383,6 +391,22 @@ class RmsNormQuantTest : public testing::TestWithParam<Backend> {
  protected:
   Device device() const { return GetParam().device; }
 
+  // mla_rmsnorm_quant on random data of the two cases (q_c, kv_c), against the reference.
+  void run_dual(const Case& qc, const Case& kc, uint64_t seed) {
+    const std::string label = case_label(qc) + " / " + case_label(kc);
+    SCOPED_TRACE(label);
+    std::mt19937_64 rng(seed);
+    Job q = make_job(device(), qc, rng, true, true);
+    Job kv = make_job(device(), kc, rng, true, false);
+    upload(q);
+    upload(kv);
+    reference(ref_job(q, qc));
+    reference(ref_job(kv, kc));
+    mla_rmsnorm_quant(dual_params(q, qc, kv, kc));
+    expect_job_matches(q, qc, label + " q");
+    expect_job_matches(kv, kc, label + " kv");
+  }
+
   // `edit` (optional) changes the host data of the job before it is uploaded.
   void run_rmsnorm_quant(const Case& c, uint64_t seed,
                          const std::function<void(const Job&)>& edit = nullptr) {
@@ -393,15 +417,7 @@ class RmsNormQuantTest : public testing::TestWithParam<Backend> {
     if (edit) edit(j);
     upload(j);
     reference(ref_job(j, c));
-    RmsNormQuantParams p;
-    p.num_tokens = c.T;
-    p.input = j.input.device_view();
-    p.weight = j.weight.device_view();
-    p.eps = c.eps;
-    p.residual = j.residual.device_view();
-    p.normed_out = j.normed_out.device_view();
-    p.quant = quant_view(j, c);
-    rmsnorm_quant(p);
+    rmsnorm_quant(job_params(j, c));
     expect_job_matches(j, c, label);
   }
 };
@@ -569,15 +585,7 @@ void write_special_values(const Job& j, const Case& c) {
 // same data; on the CPU the comparison is with itself and only checks that the op runs.
 void run_op(Device device, const Job& j, const Case& c, bool with_weight) {
   if (with_weight) {
-    RmsNormQuantParams p;
-    p.num_tokens = c.T;
-    p.input = j.input.device_view();
-    p.weight = j.weight.device_view();
-    p.eps = c.eps;
-    p.residual = j.residual.device_view();
-    p.normed_out = j.normed_out.device_view();
-    p.quant = quant_view(j, c);
-    rmsnorm_quant(p);
+    rmsnorm_quant(job_params(j, c));
   } else {
     PerTokenGroupQuantParams p;
     p.num_tokens = c.T;
@@ -750,20 +758,7 @@ TEST_P(RmsNormQuantTest, DualForm) {
         kc.eps = 1e-5f;
         kc.normed = in_place ? Case::kInPlace : Case::kSeparate;
         kc.row_pad = in_place ? 0 : 64;  // kv_c as a strided view
-        const std::string label = case_label(qc) + " / " + case_label(kc);
-        SCOPED_TRACE(label);
-        std::mt19937_64 rng(++seed);
-        Job q = make_job(device(), qc, rng, true, true);
-        Job kv = make_job(device(), kc, rng, true, false);
-        upload(q);
-        upload(kv);
-        reference(ref_job(q, qc));
-        reference(ref_job(kv, kc));
-
-        MlaRmsNormQuantParams p = dual_params(q, qc, kv, kc);
-        mla_rmsnorm_quant(p);
-        expect_job_matches(q, qc, label + " q");
-        expect_job_matches(kv, kc, label + " kv");
+        run_dual(qc, kc, ++seed);
       }
     }
   }
@@ -790,19 +785,7 @@ TEST_P(RmsNormQuantTest, DualFormTokenCounts) {
       kc.N = 512;
       kc.T = tc[1];
       kc.normed = Case::kSeparate;
-      const std::string label = case_label(qc) + " / " + case_label(kc);
-      SCOPED_TRACE(label);
-      std::mt19937_64 rng(++seed);
-      Job q = make_job(device(), qc, rng, true, true);
-      Job kv = make_job(device(), kc, rng, true, false);
-      upload(q);
-      upload(kv);
-      reference(ref_job(q, qc));
-      reference(ref_job(kv, kc));
-      MlaRmsNormQuantParams p = dual_params(q, qc, kv, kc);
-      mla_rmsnorm_quant(p);
-      expect_job_matches(q, qc, label + " q");
-      expect_job_matches(kv, kc, label + " kv");
+      run_dual(qc, kc, ++seed);
     }
   }
 }

@@ -265,6 +265,29 @@ __device__ __forceinline__ float group_max_xor(float v, const int (&offsets)[5])
   return v;
 }
 
+// Where a thread's groups and scales are. G is a power of two (validated): lanes_per_group =
+// G / 8 = 2^group_shift, and `threads` (a multiple of 32) is a multiple of it, so chunk i of a
+// thread lies in the group of its first chunk plus i * (threads >> group_shift): its scale is
+// scale_step further on. The first lane of a group stores its scale.
+struct QuantGroups {
+  int64_t scale_step;   // scale elements from one chunk of the thread to the next
+  int64_t first_scale;  // scale elements from the row's first scale to the thread's first chunk's
+  int xor_offsets[5];   // group_max_xor's: 16, 8, 4, 2, 1 where inside the group, else 0
+  bool first_lane;      // the thread is its group's first lane
+};
+__device__ __forceinline__ QuantGroups quant_groups(const core::RmsNormQuantTask& task, int threads,
+                                                    int tid) {
+  QuantGroups g;
+  const int lanes_per_group = static_cast<int>(task.group_size / kChunkElems);
+  const int group_shift = __ffs(lanes_per_group) - 1;
+  g.scale_step = static_cast<int64_t>(threads >> group_shift) * task.stride_scales_group;
+  g.first_scale = static_cast<int64_t>(tid >> group_shift) * task.stride_scales_group;
+#pragma unroll
+  for (int l = 0; l < 5; ++l) g.xor_offsets[l] = (kWarpSize / 2 >> l) & (lanes_per_group - 1);
+  g.first_lane = (tid & (lanes_per_group - 1)) == 0;
+  return g;
+}
+
 template <typename T>
 __global__ void __launch_bounds__(kRmsqMaxThreads)
     rmsnorm_quant_kernel(const __grid_constant__ RmsNormQuantKernelParams params) {
@@ -365,21 +388,11 @@ __global__ void __launch_bounds__(kRmsqMaxThreads)
   uint8_t* q = task.quant_values != nullptr
                    ? task.quant_values + t * task.stride_quant_values_token + e0
                    : nullptr;
-  // G is a power of two (validated): lanes_per_group = 2^group_shift, and `threads` (a multiple
-  // of 32) is a multiple of it, so chunk i's group is the first chunk's plus
-  // i * (threads >> group_shift): its scale is scale_step further on.
-  const int lanes_per_group = static_cast<int>(task.group_size / kChunkElems);
-  const int group_shift = __ffs(lanes_per_group) - 1;
-  const int64_t scale_step =
-      static_cast<int64_t>(threads >> group_shift) * task.stride_scales_group;
-  int xor_offsets[5];  // 16, 8, 4, 2, 1 where inside the group, else 0
-#pragma unroll
-  for (int l = 0; l < 5; ++l) xor_offsets[l] = (kWarpSize / 2 >> l) & (lanes_per_group - 1);
-  const bool stores_scale = q != nullptr && (lane & (lanes_per_group - 1)) == 0;
-  float* scale_ptr = q != nullptr
-                         ? task.scales + t * task.stride_scales_token +
-                               static_cast<int64_t>(tid >> group_shift) * task.stride_scales_group
-                         : nullptr;
+  const QuantGroups groups = quant_groups(task, threads, tid);
+  const int64_t scale_step = groups.scale_step;
+  const bool stores_scale = q != nullptr && groups.first_lane;
+  float* scale_ptr =
+      q != nullptr ? task.scales + t * task.stride_scales_token + groups.first_scale : nullptr;
 #pragma unroll
   for (int i = 0; i < kRmsqMaxChunksPerThread; ++i) {
     if (i > 0 && q != nullptr) scale_ptr += scale_step;
@@ -408,7 +421,7 @@ __global__ void __launch_bounds__(kRmsqMaxThreads)
       amax = chunk_amax(y);
     }
     if (q == nullptr) continue;
-    amax = group_max_xor(amax, xor_offsets);
+    amax = group_max_xor(amax, groups.xor_offsets);
     if (active) {
       const float scale = num::group_scale(amax, task.scale_floor, task.pow2_scale);
       __stcs(reinterpret_cast<uint2*>(q + i * step), encode_e4m3(y, scale));
@@ -651,18 +664,11 @@ __device__ __forceinline__ void rmsq_two_rows(const core::RmsNormQuantTask& task
                    ? task.quant_values + t0 * task.stride_quant_values_token + e0
                    : nullptr;
   const int64_t dq = has_b ? task.stride_quant_values_token : 0;
-  const int lanes_per_group = static_cast<int>(task.group_size / kChunkElems);
-  const int group_shift = __ffs(lanes_per_group) - 1;
-  const int64_t scale_step =
-      static_cast<int64_t>(kThreads >> group_shift) * task.stride_scales_group;
-  int xor_offsets[5];  // 16, 8, 4, 2, 1 where inside the group, else 0
-#pragma unroll
-  for (int l = 0; l < 5; ++l) xor_offsets[l] = (kWarpSize / 2 >> l) & (lanes_per_group - 1);
-  const bool stores_scale = (lane & (lanes_per_group - 1)) == 0;
-  float* scale_ptr = q != nullptr
-                         ? task.scales + t0 * task.stride_scales_token +
-                               static_cast<int64_t>(tid >> group_shift) * task.stride_scales_group
-                         : nullptr;
+  const QuantGroups groups = quant_groups(task, kThreads, tid);
+  const int64_t scale_step = groups.scale_step;
+  const bool stores_scale = groups.first_lane;
+  float* scale_ptr =
+      q != nullptr ? task.scales + t0 * task.stride_scales_token + groups.first_scale : nullptr;
   const int64_t dscale = has_b ? task.stride_scales_token : 0;
   const Divisor by_e4m3_max = make_divisor(num::kE4M3Max);
 #pragma unroll
@@ -696,15 +702,16 @@ __device__ __forceinline__ void rmsq_two_rows(const core::RmsNormQuantTask& task
     if (q == nullptr) continue;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
     if constexpr (kPackedAmax) {
-      quantize_two_bf16_chunks(y, xor_offsets, by_e4m3_max, task.scale_floor, task.pow2_scale,
-                               q + i * kStep, dq, scale_ptr + i * scale_step, dscale, stores_scale);
+      quantize_two_bf16_chunks(y, groups.xor_offsets, by_e4m3_max, task.scale_floor,
+                               task.pow2_scale, q + i * kStep, dq, scale_ptr + i * scale_step,
+                               dscale, stores_scale);
     } else  // NOLINT(readability/braces)
 #endif
     {
       // The group amax of each row (num::amax_update: the largest non-NaN |y|, >= +0).
 #pragma unroll
       for (int row = 0; row < kRows; ++row) {
-        const float a = group_max_xor(chunk_amax(y[row]), xor_offsets);
+        const float a = group_max_xor(chunk_amax(y[row]), groups.xor_offsets);
         const float scale = num::group_scale(a, task.scale_floor, task.pow2_scale);
         __stcs(reinterpret_cast<uint2*>(q + row * dq + i * kStep), encode_e4m3(y[row], scale));
         if (stores_scale) __stcs(scale_ptr + row * dscale + i * scale_step, scale);
