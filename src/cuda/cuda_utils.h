@@ -91,9 +91,11 @@ void launch_kernel(const char* name, void (*kernel)(Params...), unsigned grid, u
     config.numAttrs = 1;
   }
   // A block may use 48 KB of shared memory, static and dynamic together, unless its kernel opts in
-  // to more. mlakv's kernels have under 1 KB of static shared memory, so only a dynamic size
-  // within 1 KB of the limit needs the kernel's attributes read (a row of 8192 bf16 elements in
-  // rmsnorm_quant_kernel asks for exactly 48 KB).
+  // to more. The kernels that ask for dynamic shared memory (rmsnorm_quant's two) have under 1 KB
+  // of static shared memory, so only a dynamic size within 1 KB of the limit needs the kernel's
+  // attributes read (a row of 8192 bf16 elements in rmsnorm_quant_kernel asks for exactly 48 KB).
+  // A kernel with more static shared memory that also asks for dynamic memory must raise
+  // kStaticSmemBound.
   constexpr size_t kDefaultSmemLimit = 48 * 1024;
   constexpr size_t kStaticSmemBound = 1024;
   if (smem_bytes + kStaticSmemBound > kDefaultSmemLimit) {

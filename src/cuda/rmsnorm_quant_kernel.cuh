@@ -767,7 +767,7 @@ __global__ void __launch_bounds__(rmsq_rows_threads(kN0, kN1))
 template <typename T>
 void launch_rmsnorm_quant_kernel(const RmsNormQuantKernelParams& params, int64_t num_blocks,
                                  int threads, int64_t max_norm_hidden, const Launch& launch) {
-  // Wide rows (N >= 8192 for 16-bit, > 12288 for fp32 dtypes) need more than the default 48 KB
+  // Wide rows (N >= 8192 for 16-bit, >= 12288 for fp32 dtypes) need more than the default 48 KB
   // of shared memory: launch_kernel opts the kernel in.
   const size_t smem_bytes = rmsq_smem_bytes<T>(max_norm_hidden);
   launch_kernel("rmsnorm_quant_kernel", rmsq::rmsnorm_quant_kernel<T>,
