@@ -518,6 +518,21 @@ TEST_P(RmsNormQuantTest, ExactFitAndGenericWidths) {
       run_rmsnorm_quant(c, ++seed);
     }
   }
+  // Every group size on the exact-fit kernel's widest row (3 chunks a thread: a group is 2 to 32
+  // lanes, and a thread's chunks lie in different groups).
+  for (DType dt : {DType::kBFloat16, DType::kFloat16}) {
+    for (int64_t G : {16, 32, 64, 256}) {
+      Case c;
+      c.name = "groups";
+      c.dtype = dt;
+      c.T = 5;
+      c.group_size = G;
+      c.residual = G != 32;
+      c.normed = c.residual ? Case::kSeparate : Case::kInPlace;
+      c.layout = G == 64 ? ScaleLayout::kColumnMajor : ScaleLayout::kRowMajor;
+      run_rmsnorm_quant(c, ++seed);
+    }
+  }
 }
 
 // NaN, infinities, signed zeros, subnormals and huge values in the input and the weight, for the
@@ -629,6 +644,50 @@ TEST_P(RmsNormQuantTest, SpecialValuesEqualTheCpuBackend) {
         }
       }
     }
+  }
+}
+
+// The same special values in both inputs of the dual form (the exact-fit kernel's q_c 1536 +
+// kv_c 512 instance on CUDA), against the CPU backend.
+TEST_P(RmsNormQuantTest, DualSpecialValuesEqualTheCpuBackend) {
+  if (device().type == DeviceType::kCPU) GTEST_SKIP() << "compares a GPU backend with the CPU";
+  uint64_t seed = 1400;
+  for (DType dt : {DType::kBFloat16, DType::kFloat16, DType::kFloat32}) {
+    Case qc;
+    qc.name = "dual special q_c";
+    qc.dtype = dt;
+    qc.T = 7;
+    qc.residual = dt != DType::kFloat16;
+    qc.normed = Case::kSeparate;
+    qc.pow2 = dt == DType::kBFloat16;
+    Case kc;
+    kc.name = "dual special kv_c";
+    kc.dtype = dt;
+    kc.N = 512;
+    kc.T = 7;
+    kc.normed = dt == DType::kFloat32 ? Case::kInPlace : Case::kSeparate;
+    const std::string label = case_label(qc) + " / " + case_label(kc);
+    SCOPED_TRACE(label);
+    ++seed;
+    Job q[2], kv[2];
+    const Device devices[2] = {device(), Device{}};
+    for (int k = 0; k < 2; ++k) {
+      std::mt19937_64 rng(seed);
+      q[k] = make_job(devices[k], qc, rng, true, true);
+      kv[k] = make_job(devices[k], kc, rng, true, false);
+      write_special_values(q[k], qc);
+      write_special_values(kv[k], kc);
+      upload(q[k]);
+      upload(kv[k]);
+      mla_rmsnorm_quant(dual_params(q[k], qc, kv[k], kc));
+    }
+    for (auto member : {&Job::residual, &Job::normed_out, &Job::values, &Job::scales}) {
+      if (!(q[0].*member).present()) continue;
+      EXPECT_TRUE(bytes_equal((q[0].*member).buffer->download(), (q[1].*member).buffer->download(),
+                              label + ": q_c vs the CPU"));
+    }
+    EXPECT_TRUE(bytes_equal(kv[0].normed_out.buffer->download(),
+                            kv[1].normed_out.buffer->download(), label + ": kv_c vs the CPU"));
   }
 }
 
@@ -767,7 +826,7 @@ TEST_P(RmsNormQuantTest, DualForm) {
 TEST_P(RmsNormQuantTest, DualFormTokenCounts) {
   uint64_t seed = 1300;
   const int64_t counts[][2] = {{5, 3}, {0, 4}, {3, 0}, {2, 7}};
-  for (DType dt : {DType::kBFloat16, DType::kFloat32}) {
+  for (DType dt : {DType::kBFloat16, DType::kFloat16, DType::kFloat32}) {
     for (const auto& tc : counts) {
       Case qc;
       qc.name = "dual q_c";
