@@ -537,7 +537,7 @@ TEST_P(RmsNormQuantTest, ExactFitAndGenericWidths) {
 
 // NaN, infinities, signed zeros, subnormals and huge values in the input and the weight, for the
 // exact-fit and generic CUDA kernels and the fast / exact quantization paths: every output byte
-// still equals the reference.
+// still equals the CPU backend's (SpecialValuesEqualTheCpuBackend and its dual form below).
 // Bits of a special value in the model dtype: +-inf, a quiet NaN with the sign bit set, -0.
 void write_special(uint8_t* p, DType dt, char kind) {
   if (dt == DType::kFloat32) {

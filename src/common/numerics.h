@@ -261,10 +261,8 @@ MLAKV_HD Fp8 quantize(float x, float scale) {
 
 // The e4m3 scale of a group of values from its amax: max(amax / 448, floor), optionally rounded up
 // to a power of two. A NaN quotient falls back to the floor (amax_update never yields NaN).
-// group_scale_of_quotient takes amax / 448 already divided (IEEE division; the CUDA kernels
-// divide by a precomputed reciprocal with the same bits, cuda::Divisor).
-MLAKV_HD float group_scale_of_quotient(float quotient, float scale_floor, bool pow2) {
-  float scale = quotient;
+MLAKV_HD float group_scale(float amax, float scale_floor, bool pow2) {
+  float scale = div_rn(amax, kE4M3Max);
   if (!(scale >= scale_floor)) scale = scale_floor;
   if (pow2) {
     uint32_t u = float_bits(scale);
@@ -274,9 +272,6 @@ MLAKV_HD float group_scale_of_quotient(float quotient, float scale_floor, bool p
     scale = bits_float(u);
   }
   return scale;
-}
-MLAKV_HD float group_scale(float amax, float scale_floor, bool pow2) {
-  return group_scale_of_quotient(div_rn(amax, kE4M3Max), scale_floor, pow2);
 }
 
 // fp8_ds_mla tile scale: the group scale with the floor FLT_MIN.

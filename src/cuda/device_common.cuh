@@ -279,8 +279,8 @@ __device__ __noinline__ uint2 encode_chunk_exact_words(const Chunk<T> m, const f
 //
 // The range test is bf16_chunk_range: `absmax` (halves: the largest magnitude of the chunk's
 // even / odd elements, NaN if one is) and `bad` (zero iff every |x| is in [2^-60, 2^60], NaN
-// excluded). Callers that need the magnitudes for something else (rmsnorm_quant_rows_kernel's amax)
-// take the range once and pass `bad` on.
+// excluded). rmsnorm_quant_rows_kernel, which needs the magnitudes for its amax too, takes the
+// range itself and calls the fast path (encode_bf16_chunk_word_fast) or the exact one.
 struct Bf16ChunkRange {
   uint32_t absmax;
   uint32_t bad;
@@ -310,9 +310,9 @@ __device__ __forceinline__ uint2 encode_bf16_chunk_word_fast(const uint4 w, cons
 }
 
 template <typename Dst>
-__device__ __forceinline__ uint2 encode_bf16_chunk_word(const uint4 w, const Divisor& scale,
-                                                        const uint32_t bad) {
+__device__ __forceinline__ uint2 encode_bf16_chunk_word(const uint4 w, const Divisor& scale) {
   static_assert(kIsFp8<Dst>, "fp8 destinations only");
+  const uint32_t bad = bf16_chunk_range(w).bad;
   uint2 out;  // the two words of the fp8 chunk
   if (!(scale.fast && bad == 0u)) {
     detail::ChunkBits<num::Bf16> m;
@@ -322,10 +322,6 @@ __device__ __forceinline__ uint2 encode_bf16_chunk_word(const uint4 w, const Div
     out = encode_bf16_chunk_word_fast<Dst>(w, scale);
   }
   return out;
-}
-template <typename Dst>
-__device__ __forceinline__ uint2 encode_bf16_chunk_word(const uint4 w, const Divisor& scale) {
-  return encode_bf16_chunk_word<Dst>(w, scale, bf16_chunk_range(w).bad);
 }
 #endif
 

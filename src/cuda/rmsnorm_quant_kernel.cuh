@@ -486,8 +486,8 @@ __device__ __forceinline__ bool bits_in(float v, uint32_t lo, uint32_t hi) {
 //   before the power-of-two rounding in [2^-60, 2^59] (so after it in [2^-60, 2^60]): amax / 448
 //   and y / scale by divide_fast (exact in that range, cuda::Divisor), max(q, floor) as fmaxf (q
 //   is not NaN), the power-of-two rounding of a normal positive scale as (u + 0x7fffff) &
-//   0xff800000 (the next power of two unless the mantissa is 0: group_scale_of_quotient's result
-//   for such scales), no branch but the one into the exact path.
+//   0xff800000 (the next power of two unless the mantissa is 0: num::group_scale's rounding of
+//   such scales), no branch but the one into the exact path.
 //   Exact path (any other chunk pair): num::group_scale and encode_chunk_exact_words, element by
 //   element.
 __device__ __forceinline__ void quantize_two_bf16_chunks(
@@ -720,7 +720,7 @@ __device__ __forceinline__ void rmsq_two_rows(const core::RmsNormQuantTask& task
   }
 }
 
-// The configurations the exact-fit kernel is compiled for (rmsq_rows_supported decides on the
+// The configurations the exact-fit kernel is compiled for (launch_exact_fit checks them on the
 // host): a weight with or without a residual and a normed_out, or neither of the three
 // (per_token_group_quant_fp8).
 template <typename T, int kN, int kThreads>
