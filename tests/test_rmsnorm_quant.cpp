@@ -12,6 +12,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <functional>
 #include <random>
@@ -407,11 +408,14 @@ class RmsNormQuantTest : public testing::TestWithParam<Backend> {
     expect_job_matches(kv, kc, label + " kv");
   }
 
-  void run_rmsnorm_quant(const Case& c, uint64_t seed) {
+  // `prepare` may change the job's host data (its inputs and weight) before the upload.
+  void run_rmsnorm_quant(const Case& c, uint64_t seed,
+                         const std::function<void(const Job&)>& prepare = {}) {
     const std::string label = case_label(c);
     SCOPED_TRACE(label);
     std::mt19937_64 rng(seed);
     Job j = make_job(device(), c, rng, true, true);
+    if (prepare) prepare(j);
     upload(j);
     reference(ref_job(j, c));
     rmsnorm_quant(job_params(j, c));
@@ -704,6 +708,76 @@ TEST_P(RmsNormQuantTest, TinyValuesHitTheScaleFloor) {
   run_rmsnorm_quant(c, 401);
 }
 
+// Multiplies the input rows t % 3 == 1 by 2^row_shift and the weight's group g by
+// 2^group_shifts[g % size], rounded to the model dtype (exact for bf16 at these shifts; fp16 values
+// may turn subnormal or 0). So groups and the two rows of a CUDA exact-fit block get amax of very
+// different magnitudes.
+void shift_magnitudes(const Job& j, const Case& c, int row_shift,
+                      const std::vector<int>& group_shifts) {
+  auto shift = [&](uint8_t* p, int e) {
+    write_model(p, c.dtype, round_model(std::ldexp(read_model(p, c.dtype), e), c.dtype));
+  };
+  for (int64_t t = 1; t < j.input.shape[0]; t += 3) {
+    for (int64_t k = 0; k < c.N; ++k) shift(host_at(j.input, t, k), row_shift);
+  }
+  for (int64_t k = 0; k < c.N; ++k) {
+    const size_t g = static_cast<size_t>(k / c.group_size);
+    shift(j.weight.buffer->host.data() + j.weight.byte_offset({k}),
+          group_shifts[g % group_shifts.size()]);
+  }
+}
+
+// Scale floors outside [2^-60, 2^59], the range of group scales for which the CUDA bf16 exact-fit
+// kernel takes its fast path (quantize_two_bf16_chunks), and at its edges: a tiny floor under
+// groups whose amax / 448 lies below 2^-60 (amax inside or below the fast amax range, and scales
+// under the floor), and floors at and above 2^59 under groups whose amax / 448 lies below, near
+// and above the floor. Exact-fit widths (512, 1536) and a generic one (7168).
+TEST_P(RmsNormQuantTest, ScaleFloorOutsideTheFastRange) {
+  uint64_t seed = 1600;
+  const float floors[] = {std::ldexp(1.0f, -70), std::ldexp(1.0f, -60), std::ldexp(1.0f, 59),
+                          std::ldexp(1.5f, 59),  std::ldexp(1.0f, 60),  1e20f};
+  for (DType dt : {DType::kBFloat16, DType::kFloat16}) {
+    const bool bf16 = dt == DType::kBFloat16;
+    // A normalized group's amax is about 2^3 times its weights' scale 2^shift. bf16, small floors:
+    // amax near 8 (0: the fast path), 2^-55 (-58: amax in the fast range, amax / 448 under 2^-60),
+    // 2^-63 and 2^-72 (-66, -75: amax under 2^-60, scale = floor), 2^-51 (-54: amax / 448 near
+    // 2^-60) and 2^-27 (-30); large floors: amax near 2^59 (56: scale = floor), 8 (0: bytes 0),
+    // 2^65 (62: amax over 2^60, still floored), 2^71 and 2^75 (68, 72: amax / 448 over the floor)
+    // and 2^53 (50). The rows shifted by 2^-40 (eps 1e-6 dominates their norm) are about 2^-25 of
+    // the others, so the two rows of a block often take different paths. fp16 cannot go that far
+    // (its values stay in [2^-24, 65504]): a tiny floor shows only in the group whose weights
+    // round to 0 (-30), and under the large floors every byte is a zero of either sign.
+    const std::vector<int> small_shifts =
+        bf16 ? std::vector<int>{0, -58, -66, -30, -54, -75} : std::vector<int>{0, -8, -30, -20};
+    const std::vector<int> large_shifts =
+        bf16 ? std::vector<int>{56, 0, 62, 68, 72, 50} : std::vector<int>{4, 0, -8, 2};
+    const int row_shift = bf16 ? -40 : -16;
+    for (float scale_floor : floors) {
+      for (int64_t N : {1536, 512, 7168}) {
+        for (int64_t T : {1, 3, 64}) {
+          for (bool pow2 : {false, true}) {
+            Case c;
+            char name[32];
+            std::snprintf(name, sizeof(name), "scale_floor %a", scale_floor);
+            c.name = name;
+            c.dtype = dt;
+            c.N = N;
+            c.T = T;
+            c.scale_floor = scale_floor;
+            c.pow2 = pow2;
+            c.normed = T == 3 ? Case::kInPlace : Case::kSeparate;
+            c.layout = T == 3 ? ScaleLayout::kColumnMajor : ScaleLayout::kRowMajor;
+            c.scale_pad = T == 3 ? 1 : 0;
+            const std::vector<int>& shifts = scale_floor < 1.0f ? small_shifts : large_shifts;
+            run_rmsnorm_quant(c, ++seed,
+                              [&](const Job& j) { shift_magnitudes(j, c, row_shift, shifts); });
+          }
+        }
+      }
+    }
+  }
+}
+
 TEST_P(RmsNormQuantTest, ZeroTokensWritesNothing) {
   Case c;
   c.name = "empty";
@@ -842,6 +916,42 @@ TEST_P(RmsNormQuantTest, DualFormTokenCounts) {
       kc.T = tc[1];
       kc.normed = Case::kSeparate;
       run_dual(qc, kc, ++seed);
+    }
+  }
+}
+
+// The dual form with q_c normalized in place (q.normed_out = q.input: the aliasing the API allows
+// on q_c, besides kv.output = kv.input on kv_c), with and without q_c's residual (written back
+// while q_c's input is overwritten), kv_c in place or separate, contiguous and strided rows, on the
+// CUDA exact-fit pair (1536 + 512) and a generic one (768 + 256).
+TEST_P(RmsNormQuantTest, DualFormQcInPlace) {
+  uint64_t seed = 1700;
+  const int64_t widths[][2] = {{1536, 512}, {768, 256}};
+  for (DType dt : {DType::kBFloat16, DType::kFloat16, DType::kFloat32}) {
+    for (const auto& w : widths) {
+      for (int64_t T : {1, 3, 64}) {
+        for (bool residual : {false, true}) {
+          Case qc;
+          qc.name = "dual q_c in place";
+          qc.dtype = dt;
+          qc.N = w[0];
+          qc.T = T;
+          qc.residual = residual;
+          qc.normed = Case::kInPlace;
+          qc.pow2 = residual;
+          qc.layout = T == 3 ? ScaleLayout::kColumnMajor : ScaleLayout::kRowMajor;
+          qc.scale_pad = T == 3 ? 1 : 0;
+          qc.row_pad = T == 64 ? 64 : 0;
+          Case kc;
+          kc.name = "dual kv_c";
+          kc.dtype = dt;
+          kc.N = w[1];
+          kc.T = T;
+          kc.eps = 1e-5f;
+          kc.normed = residual ? Case::kInPlace : Case::kSeparate;
+          run_dual(qc, kc, ++seed);
+        }
+      }
     }
   }
 }
