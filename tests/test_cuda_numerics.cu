@@ -9,7 +9,8 @@
 // - the hardware bf16 / fp16 rounding (cvt.rn.bf16x2.f32 / cvt.rn.f16x2.f32) against
 //   num::from_float on all 2^32 floats but NaNs, and cuda::rotate_chunk (the fused kernel's RoPE
 //   of a chunk: that rounding on finite chunks and cos/sin, rotate_pair's otherwise) against the
-//   host's num::rope_rotate + from_float.
+//   host's num::rope_rotate + from_float;
+// - FastDiv's __umulhi path (the fused kernel's work-item decoding) against the division.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -21,6 +22,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "common/fast_div.h"
 #include "common/numerics.h"
 #include "cuda/device_common.cuh"
 
@@ -40,6 +42,12 @@ __global__ void divide_kernel(const float* a, const float* b, int64_t n, uint32_
   const cuda::Divisor d = cuda::make_divisor(b[i]);
   fast[i] = __float_as_uint(cuda::divide(a[i], d));
   ieee[i] = __float_as_uint(__fdiv_rn(a[i], b[i]));
+}
+
+__global__ void fast_div_kernel(const FastDiv* divs, const uint32_t* n, int64_t count,
+                                uint32_t* out) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < count) out[i] = divs[i].div(n[i]);
 }
 
 template <typename Fp8>
@@ -185,6 +193,48 @@ std::vector<float> divisors(std::mt19937& rng, int random_count) {
   for (int i = 0; i < random_count; ++i)
     d.push_back(std::ldexp(mantissa(rng), static_cast<int>(exponent(rng))));
   return d;
+}
+
+// FastDiv's device path (__umulhi) equals the division, as the host path does (test_numerics.cpp).
+TEST(CudaNumerics, FastDivMatchesDivision) {
+  if (!has_gpu()) GTEST_SKIP() << "no CUDA device visible";
+  std::mt19937_64 rng(0xd1f);
+  std::vector<FastDiv> divs;
+  std::vector<uint32_t> n, want;
+  for (int i = 0; i < (1 << 20); ++i) {
+    const uint32_t d = i % 4 == 0   ? 1 + static_cast<uint32_t>(rng() % 0x7ffffffe)
+                       : i % 4 == 1 ? 1 + static_cast<uint32_t>(rng() % 4096)
+                                    : static_cast<uint32_t>(1u << (rng() % 31)) +
+                                          static_cast<uint32_t>(rng() % 3) - 1 + (i % 4 == 2);
+    const uint32_t x = i % 8 == 0 ? 0x7fffffffu - static_cast<uint32_t>(rng() % 4)
+                                  : static_cast<uint32_t>(rng() & 0x7fffffffu);
+    divs.emplace_back(d == 0 ? 1 : d);
+    n.push_back(x);
+    want.push_back(x / divs.back().divisor);
+  }
+  const int64_t count = static_cast<int64_t>(n.size());
+  FastDiv* d_divs = nullptr;
+  uint32_t *d_n = nullptr, *d_out = nullptr;
+  TEST_CUDA_OK(cudaMalloc(&d_divs, sizeof(FastDiv) * count));
+  TEST_CUDA_OK(cudaMalloc(&d_n, sizeof(uint32_t) * count));
+  TEST_CUDA_OK(cudaMalloc(&d_out, sizeof(uint32_t) * count));
+  TEST_CUDA_OK(cudaMemcpy(d_divs, divs.data(), sizeof(FastDiv) * count, cudaMemcpyHostToDevice));
+  TEST_CUDA_OK(cudaMemcpy(d_n, n.data(), sizeof(uint32_t) * count, cudaMemcpyHostToDevice));
+  fast_div_kernel<<<static_cast<unsigned>((count + 255) / 256), 256>>>(d_divs, d_n, count, d_out);
+  TEST_CUDA_OK(cudaGetLastError());
+  std::vector<uint32_t> got(n.size());
+  TEST_CUDA_OK(cudaMemcpy(got.data(), d_out, sizeof(uint32_t) * count, cudaMemcpyDeviceToHost));
+  cudaFree(d_divs);
+  cudaFree(d_n);
+  cudaFree(d_out);
+  int64_t bad = 0;
+  for (int64_t i = 0; i < count; ++i) {
+    if (got[i] != want[i] && ++bad <= 5) {
+      ADD_FAILURE() << n[i] << " / " << divs[i].divisor << ": " << got[i] << ", expected "
+                    << want[i];
+    }
+  }
+  EXPECT_EQ(bad, 0);
 }
 
 TEST(CudaNumerics, DivideMatchesIeeeOnEveryBf16Value) {

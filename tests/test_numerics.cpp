@@ -7,7 +7,9 @@
 #include <cstring>
 #include <limits>
 #include <random>
+#include <vector>
 
+#include "common/fast_div.h"
 #include "common/numerics.h"
 #include "reference/reference.h"
 
@@ -260,4 +262,41 @@ TEST(NumericsCrossCheck, RopeRotate) {
 }
 
 }  // namespace
+// FastDiv (the GPU work items' index decoding) equals the division for every numerator below
+// 2^31: small divisors exhaustively near their multiples, powers of two and their neighbours,
+// the largest divisors, and random pairs.
+TEST(FastDiv, EqualsDivisionBelow2To31) {
+  std::vector<uint32_t> divisors;
+  for (uint32_t d = 1; d <= 1000; ++d) divisors.push_back(d);
+  for (int k = 1; k < 31; ++k) {
+    for (int64_t delta = -2; delta <= 2; ++delta) {
+      const int64_t d = (int64_t{1} << k) + delta;
+      if (d >= 1 && d < (int64_t{1} << 31)) divisors.push_back(static_cast<uint32_t>(d));
+    }
+  }
+  std::mt19937_64 rng(0xfa57d1f);
+  for (int i = 0; i < 2000; ++i) divisors.push_back(1 + static_cast<uint32_t>(rng() % 0x7ffffffe));
+  constexpr uint32_t kMax = 0x7fffffffu;
+  int64_t checked = 0;
+  for (const uint32_t d : divisors) {
+    const FastDiv f(d);
+    ASSERT_EQ(f.divisor, d);
+    std::vector<uint32_t> numerators = {0, 1, kMax, kMax - 1, d - 1, d};
+    for (uint32_t m : {2u, 3u, 1000u, kMax / d}) {
+      const uint64_t base = uint64_t{m} * d;
+      for (int64_t delta = -1; delta <= 1; ++delta) {
+        const int64_t n = static_cast<int64_t>(base) + delta;
+        if (n >= 0 && n <= kMax) numerators.push_back(static_cast<uint32_t>(n));
+      }
+    }
+    for (int j = 0; j < 64; ++j) numerators.push_back(static_cast<uint32_t>(rng() & kMax));
+    for (const uint32_t n : numerators) {
+      if (n > kMax) continue;
+      ASSERT_EQ(f.div(n), n / d) << n << " / " << d;
+      ++checked;
+    }
+  }
+  EXPECT_GT(checked, 100000);
+}
+
 }  // namespace mlakv

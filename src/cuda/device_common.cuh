@@ -53,14 +53,21 @@ __device__ __forceinline__ void pdl_launch_dependents() {
 #endif
 }
 
-// positions[t] clamped into [0, max_pos); counted in `error_counts` (may be null) when clamped.
-__device__ __forceinline__ int64_t clamped_position(const core::IndexArg& positions,
-                                                    int64_t max_pos, int64_t t,
-                                                    int32_t* error_counts) {
-  const int64_t pos = load_index(positions, t);
+// A position clamped into [0, max_pos); counted in `error_counts` (may be null) when clamped.
+// Separate from the load so that a kernel can request the position before its other loads and
+// clamp it (waiting for it) only where it is used.
+__device__ __forceinline__ int64_t clamp_position(int64_t pos, int64_t max_pos,
+                                                  int32_t* error_counts) {
   if (pos >= 0 && pos < max_pos) return pos;
   count_error(error_counts, kBadPosition);
   return pos < 0 ? 0 : max_pos - 1;
+}
+
+// positions[t] clamped into [0, max_pos) (clamp_position).
+__device__ __forceinline__ int64_t clamped_position(const core::IndexArg& positions,
+                                                    int64_t max_pos, int64_t t,
+                                                    int32_t* error_counts) {
+  return clamp_position(load_index(positions, t), max_pos, error_counts);
 }
 
 // Entry `col` of table row `pos` as float (fp32, bf16 or fp16 table).

@@ -63,6 +63,9 @@ CopyList make_copy_list(const void* src, int64_t stride_src_token, int64_t strid
   c.stride_dst_head = stride_dst_head;
   c.row_begin = token_begin * H;
   c.row_end = token_end * H;
+  // The kernel indexes rows in 32 bits, with FastDivs (below 2^31, past the last row included).
+  MLAKV_CHECK(c.row_end < (int64_t{1} << 30), "mla_rope_cache: ", c.row_end,
+              " rows (tokens x heads) exceed one launch");
   c.row_elems = row_elems;
   const int64_t cpr = ceil_div(row_elems, 8);
   MLAKV_CHECK(cpr < (int64_t{1} << 30), "mla_rope_cache: rows of ", row_elems,
@@ -86,6 +89,9 @@ CopyList make_copy_list(const void* src, int64_t stride_src_token, int64_t strid
   c.rows_per_token = one_run ? c.row_end + 1 : H;
   c.src_token_jump = one_run ? 0 : stride_src_token - H * stride_src_head;
   c.dst_token_jump = one_run ? 0 : stride_dst_token - H * stride_dst_head;
+  c.segment_div = FastDiv(static_cast<uint32_t>(c.segments_per_row));
+  c.chunk_div = FastDiv(static_cast<uint32_t>(cpr));
+  c.token_div = FastDiv(static_cast<uint32_t>(c.rows_per_token));
   for (int wrapped = 0; wrapped < 2; ++wrapped) {
     const int64_t rows = c.row_step + wrapped;
     const int64_t elems = 8 * (c.chunk_step - (wrapped != 0 ? cpr : 0));
@@ -144,6 +150,7 @@ MlaRopeCacheKernelParams make_params(const core::MlaRopeCacheArgs& a, bool apply
     p.rope_heads_per_item = static_cast<int32_t>(hps * slots);
   }
   p.rope_groups_per_token = H > 0 ? ceil_div(H, p.rope_heads_per_item) : 1;
+  p.rope_group_div = FastDiv(static_cast<uint32_t>(p.rope_groups_per_token));
   p.num_rope_items = rope_tokens * p.rope_groups_per_token;
   if (has_decode && a.copy_nope && a.ql_nope != nullptr) {
     p.decode_copy =

@@ -7,6 +7,7 @@
 
 #include <cstdint>
 
+#include "common/fast_div.h"
 #include "core/args.h"
 #include "mlakv/cache.h"
 
@@ -46,6 +47,10 @@ struct CopyList {
   int32_t rows_per_item = 1;
   int32_t segments_per_row = 1;
   int32_t row_step = 0, chunk_step = 0;
+  // The kernel's divisions, prepared here (fast_div.h: item and row indices are below 2^31).
+  FastDiv segment_div;  // by segments_per_row
+  FastDiv chunk_div;    // by chunks_per_row
+  FastDiv token_div;    // by rows_per_token
   int64_t num_items = 0;
 };
 
@@ -59,6 +64,7 @@ struct MlaRopeCacheKernelParams {
   int64_t num_k_items = 0;
   int64_t rope_token_begin = 0;
   int64_t rope_groups_per_token = 1;  // ceil(H / rope_heads_per_item)
+  FastDiv rope_group_div;             // by rope_groups_per_token
   int32_t rope_pairs_per_lane = 1;    // ceil(R / 2 / 32)
   int32_t rope_heads_per_item = 1;    // 8 / rope_pairs_per_lane
   int64_t num_rope_items = 0;

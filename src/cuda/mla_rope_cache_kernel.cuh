@@ -108,10 +108,12 @@ __device__ __forceinline__ void k_side_item(const MlaRopeCacheKernelParams& p, i
   const bool has_norm = a.kv_norm_weight != nullptr;
   const bool neox = p.apply_rope && a.rope.style == RopeStyle::kNeox;
 
-  // Every input of the token is requested before the first use, the rows first: the cos/sin loads
-  // wait for the position (and its error count keeps the compiler from hoisting later loads above
-  // it), so issuing the row loads before it overlaps them with that dependent round trip.
+  // Every input of the token is requested before the first use, the position first: it heads the
+  // item's longest chain (position -> cos/sin -> cache entry), so its round trip starts before the
+  // row loads are issued and overlaps them; it is clamped (and counted, which keeps the compiler
+  // from hoisting later loads above the test) only after the rows are in flight.
   const int64_t slot = load_index(a.slot_mapping, t);
+  const int64_t raw_pos = p.apply_rope ? load_index(a.positions, t) : 0;
   const T* kv_c = static_cast<const T*>(a.kv_c) + t * a.stride_kv_c_token;
   const T* weight = static_cast<const T*>(a.kv_norm_weight);
   Chunk<T> x[kMaxLatentChunksPerLane];
@@ -140,7 +142,7 @@ __device__ __forceinline__ void k_side_item(const MlaRopeCacheKernelParams& p, i
   float sn[kMaxRopePairsPerLane] = {};
   if (p.apply_rope) {
     const int64_t pos =
-        clamped_position(a.positions, a.rope.max_pos, t, lane == 0 ? p.error_counts : nullptr);
+        clamp_position(raw_pos, a.rope.max_pos, lane == 0 ? p.error_counts : nullptr);
 #pragma unroll
     for (int j = 0; j < kMaxRopePairsPerLane; ++j) {
       const int pr = lane + kWarpSize * j;
@@ -271,9 +273,12 @@ struct RopeItemPlace {
 __device__ __forceinline__ RopeItemPlace rope_item_place(const MlaRopeCacheKernelParams& p,
                                                          int64_t i, int64_t td) {
   RopeItemPlace r;
-  const int64_t group = i / p.rope_groups_per_token;
+  // A FastDiv (the launcher keeps the item count below 2^31): a run-time division is ~20
+  // dependent instructions at the head of every item's chain.
+  const uint32_t item = static_cast<uint32_t>(i);
+  const uint32_t group = p.rope_group_div.div(item);
   r.t = p.rope_token_begin + group;
-  r.h0 = (i - group * p.rope_groups_per_token) * p.rope_heads_per_item;
+  r.h0 = static_cast<int64_t>(item - group * p.rope_group_div.divisor) * p.rope_heads_per_item;
   r.decode = r.t < td;
   return r;
 }
@@ -386,6 +391,8 @@ __device__ __forceinline__ void rope_item_chunked(const MlaRopeCacheKernelParams
   const int c = lane % cph;
   const int64_t e0 = static_cast<int64_t>(c) * kChunkElems;
   const int slots = p.rope_chunk_slots;
+  // The position first (it heads the chain position -> cos/sin -> stores), then the rows.
+  const int64_t raw_pos = p.apply_rope ? load_index(a.positions, t) : 0;
 
 #pragma unroll
   for (int s = 0; s < kStageSlots<T>; ++s) {
@@ -399,7 +406,7 @@ __device__ __forceinline__ void rope_item_chunked(const MlaRopeCacheKernelParams
   float sn[kPairs] = {};
   if (p.apply_rope) {
     // Bad positions are counted once per token, by its K item.
-    const int64_t pos = clamped_position(a.positions, a.rope.max_pos, t, nullptr);
+    const int64_t pos = clamp_position(raw_pos, a.rope.max_pos, nullptr);
 #pragma unroll
     for (int j = 0; j < kPairs; ++j) {
       cs[j] = load_table(a.rope, pos, c * kPairs + j);
@@ -438,7 +445,8 @@ __device__ __forceinline__ void rope_item_chunked(const MlaRopeCacheKernelParams
 #pragma unroll
     for (int s = 0; s < kStageSlots<T>; ++s) {
       if (s >= slots) break;
-      finite &= chunk_finite(stage[s * kWarpSize + lane]);
+      // Only the slots this lane staged (heads h >= H were not: their stage words are stale).
+      if (h0 + s * hps + lane / cph < H) finite &= chunk_finite(stage[s * kWarpSize + lane]);
     }
     if (finite) {
       rotate_and_store(std::integral_constant<ChunkRounding, ChunkRounding::kHardware>{});
@@ -466,25 +474,29 @@ __device__ __forceinline__ void stage_chunk(Chunk<T>* slot, const T* src, int n)
 template <typename T, typename Dst, bool kVec>
 __device__ __forceinline__ void copy_item(const CopyList& c, int64_t i, bool decode, int64_t td,
                                           int64_t H, float scale, int lane, Chunk<T>* stage) {
+  // The list's FastDivs (the launcher keeps item and row counts below 2^31; see
+  // rope_item_place).
   int64_t r0 = c.row_begin + i * c.rows_per_item;
   int k0 = 0;
   if (c.segments_per_row > 1) {
-    const int64_t row = i / c.segments_per_row;
+    const uint32_t item = static_cast<uint32_t>(i);
+    const uint32_t row = c.segment_div.div(item);
     r0 = c.row_begin + row;
-    k0 = static_cast<int>(i - row * c.segments_per_row) * c.slots * kWarpSize;
+    k0 = static_cast<int>(item - row * c.segment_div.divisor) * c.slots * kWarpSize;
   }
   const int64_t rows_left = c.row_end - r0;
   const int rows = static_cast<int>(rows_left < c.rows_per_item ? rows_left : c.rows_per_item);
   const int cpr = c.chunks_per_row;
   const int64_t split = td * H;  // first prefill row
   const int q = k0 + lane;
-  const int first_rl = q / cpr;
+  const int first_rl = static_cast<int>(c.chunk_div.div(static_cast<uint32_t>(q)));
   const int first_k = q - first_rl * cpr;
   int64_t first_t, first_h;  // of row r0 + first_rl, in runs of rows_per_token rows
   {
-    const int64_t r = r0 + first_rl;
-    first_t = r / c.rows_per_token;
-    first_h = r - first_t * c.rows_per_token;
+    const uint32_t r = static_cast<uint32_t>(r0 + first_rl);
+    const uint32_t tok = c.token_div.div(r);
+    first_t = tok;
+    first_h = r - tok * c.token_div.divisor;
   }
 
   // f(slot, element offset) for each chunk this lane moves: chunk q + 32 s of the item (row
@@ -629,9 +641,10 @@ __global__ void __launch_bounds__(kMlaThreads, (kMlaMinBlocks<T, kFormat, QOut, 
 template <typename T, CacheFormat kFormat, typename QOut, bool kVec>
 void launch_mla_rope_cache_kernel(const MlaRopeCacheKernelParams& params, const Launch& launch) {
   if (params.num_items <= 0) return;
-  const int64_t grid = (params.num_items + kMlaWarps - 1) / kMlaWarps;
-  MLAKV_CHECK(grid <= 0x7fffffff, "mla_rope_cache: ", params.num_items,
+  // Items and rows are indexed in 32 bits in the kernel (rope_item_place, copy_item).
+  MLAKV_CHECK(params.num_items <= 0x7fffffff, "mla_rope_cache: ", params.num_items,
               " work items exceed one launch");
+  const int64_t grid = (params.num_items + kMlaWarps - 1) / kMlaWarps;
   launch_kernel("mla_rope_cache_kernel", mla_rope_cache_kernel<T, kFormat, QOut, kVec>,
                 static_cast<unsigned>(grid), kMlaThreads, 0, launch, params);
 }
