@@ -1,5 +1,6 @@
 // Argument validation: every rejected argument throws mlakv::Error whose message names it, and
-// nothing (cache, outputs, in-place inputs) is written. CPU memory only.
+// nothing (cache, outputs, in-place inputs) is written. CPU memory only, but for the CUDA
+// backend's launch limit (never-dereferenced device views, skipped without a GPU).
 #include <gtest/gtest.h>
 
 #include <cstdint>
@@ -842,6 +843,32 @@ TEST(Validation, CudaMemoryWithoutBackend) {
   if (mlakv::cuda_backend_built()) GTEST_SKIP() << "CUDA backend built";
   EXPECT_THROW(mlakv::device_alloc({mlakv::DeviceType::kCUDA, 0}, 16), mlakv::Error);
   EXPECT_EQ(mlakv::cuda_device_count(), 0);
+}
+
+// The CUDA backend's launch limit (docs/decisions.md, "One fused launch's size"): 2^30 query rows
+// or more fail with an error on the host, before anything runs. The views point at addresses
+// that are never dereferenced (no buffer of 2^30 rows could be allocated: a launch would fault),
+// 2^42 bytes apart so that they do not overlap.
+TEST(Validation, CudaLaunchLimit) {
+  if (mlakv::cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device visible";
+  const mlakv::Device gpu{mlakv::DeviceType::kCUDA, 0};
+  auto never = [](int i) {
+    return reinterpret_cast<void*>((uintptr_t{1} << 44) + (static_cast<uintptr_t>(i) << 42));
+  };
+  constexpr int64_t kH = 128, kL = 512, kR = 64;
+  for (const int64_t T : {(int64_t{1} << 30) / kH, (int64_t{1} << 30) / kH + 1}) {
+    mlakv::DecodeQConcatParams p;
+    p.num_tokens = T;
+    p.ql_nope = mlakv::make_view(never(0), DType::kBFloat16, {T, kH, kL}, gpu);
+    p.q_pe = mlakv::make_view(never(1), DType::kBFloat16, {T, kH, kR}, gpu);
+    p.q_out = mlakv::make_view(never(2), DType::kBFloat16, {T, kH, kL + kR}, gpu);
+    try {
+      mlakv::decode_q_concat(p);
+      ADD_FAILURE() << "T = " << T << ": no error";
+    } catch (const mlakv::Error& e) {
+      EXPECT_NE(std::string(e.what()).find("exceed one launch"), std::string::npos) << e.what();
+    }
+  }
 }
 
 }  // namespace
