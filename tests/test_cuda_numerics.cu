@@ -10,7 +10,8 @@
 //   num::from_float on all 2^32 floats but NaNs, and cuda::rotate_chunk (the fused kernel's RoPE
 //   of a chunk: that rounding on finite chunks and cos/sin, rotate_pair's otherwise) against the
 //   host's num::rope_rotate + from_float;
-// - FastDiv's __umulhi path (the fused kernel's work-item decoding) against the division.
+// - FastDiv's __umulhi path (the fused kernel's work-item decoding) against the division, on
+//   random divisor / numerator pairs.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 

@@ -262,26 +262,29 @@ TEST(NumericsCrossCheck, RopeRotate) {
 }
 
 }  // namespace
-// FastDiv (the GPU work items' index decoding) equals the division for every numerator below
-// 2^31: small divisors exhaustively near their multiples, powers of two and their neighbours,
-// the largest divisors, and random pairs.
+// FastDiv (the GPU work items' index decoding) equals the division for numerators below 2^31
+// (its whole domain, sampled): divisors 1-1000, every power of two and its neighbours up to
+// 2^31 - 1, random ones; numerators 0, 1, 2^31 - 1, around small and the largest multiples of
+// the divisor, the largest n = d - 1 (mod d), and random ones.
 TEST(FastDiv, EqualsDivisionBelow2To31) {
   std::vector<uint32_t> divisors;
   for (uint32_t d = 1; d <= 1000; ++d) divisors.push_back(d);
-  for (int k = 1; k < 31; ++k) {
+  for (int k = 1; k <= 31; ++k) {
     for (int64_t delta = -2; delta <= 2; ++delta) {
       const int64_t d = (int64_t{1} << k) + delta;
       if (d >= 1 && d < (int64_t{1} << 31)) divisors.push_back(static_cast<uint32_t>(d));
     }
   }
   std::mt19937_64 rng(0xfa57d1f);
-  for (int i = 0; i < 2000; ++i) divisors.push_back(1 + static_cast<uint32_t>(rng() % 0x7ffffffe));
+  for (int i = 0; i < 2000; ++i) divisors.push_back(1 + static_cast<uint32_t>(rng() % 0x7fffffff));
   constexpr uint32_t kMax = 0x7fffffffu;
   int64_t checked = 0;
   for (const uint32_t d : divisors) {
     const FastDiv f(d);
     ASSERT_EQ(f.divisor, d);
-    std::vector<uint32_t> numerators = {0, 1, kMax, kMax - 1, d - 1, d};
+    // The largest n below 2^31 with n % d == d - 1: the remainder that leaves the least margin.
+    const uint32_t top = (kMax - (d - 1)) / d * d + (d - 1);
+    std::vector<uint32_t> numerators = {0, 1, kMax, kMax - 1, d - 1, d, top};
     for (uint32_t m : {2u, 3u, 1000u, kMax / d}) {
       const uint64_t base = uint64_t{m} * d;
       for (int64_t delta = -1; delta <= 1; ++delta) {

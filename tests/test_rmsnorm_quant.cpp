@@ -410,7 +410,7 @@ class RmsNormQuantTest : public testing::TestWithParam<Backend> {
 
   // `prepare` may change the job's host data (its inputs and weight) before the upload.
   void run_rmsnorm_quant(const Case& c, uint64_t seed,
-                         const std::function<void(const Job&)>& prepare = {}) {
+                         const std::function<void(Job&)>& prepare = {}) {
     const std::string label = case_label(c);
     SCOPED_TRACE(label);
     std::mt19937_64 rng(seed);
@@ -743,10 +743,11 @@ TEST_P(RmsNormQuantTest, ScaleFloorOutsideTheFastRange) {
     // 2^-63 and 2^-72 (-66, -75: amax under 2^-60, scale = floor), 2^-51 (-54: amax / 448 near
     // 2^-60) and 2^-27 (-30); large floors: amax near 2^59 (56: scale = floor), 8 (0: bytes 0),
     // 2^65 (62: amax over 2^60, still floored), 2^71 and 2^75 (68, 72: amax / 448 over the floor)
-    // and 2^53 (50). The rows shifted by 2^-40 (eps 1e-6 dominates their norm) are about 2^-25 of
-    // the others, so the two rows of a block often take different paths. fp16 cannot go that far
-    // (its values stay in [2^-24, 65504]): a tiny floor shows only in the group whose weights
-    // round to 0 (-30), and under the large floors every byte is a zero of either sign.
+    // and 2^53 (50). The rows shifted by 2^-40 (eps 1e-6 dominates their norm, so they come out
+    // as their raw values times about 2^-30, the others near their weights' scale), so the two rows
+    // of a block often take different paths. fp16 cannot go that far (its values stay in [2^-24,
+    // 65504]): a tiny floor shows only in the group whose weights round to 0 (-30), and under the
+    // large floors every byte is a zero of either sign.
     const std::vector<int> small_shifts =
         bf16 ? std::vector<int>{0, -58, -66, -30, -54, -75} : std::vector<int>{0, -8, -30, -20};
     const std::vector<int> large_shifts =

@@ -845,10 +845,10 @@ TEST(Validation, CudaMemoryWithoutBackend) {
   EXPECT_EQ(mlakv::cuda_device_count(), 0);
 }
 
-// The CUDA backend's launch limit (docs/decisions.md, "One fused launch's size"): 2^30 query rows
-// or more fail with an error on the host, before anything runs. The views point at addresses
-// that are never dereferenced (no buffer of 2^30 rows could be allocated: a launch would fault),
-// 2^42 bytes apart so that they do not overlap.
+// The CUDA backend's launch limits (docs/decisions.md, "One fused launch's size"): 2^30 copied
+// query rows or more, or 2^31 work items or more, fail with an error on the host before anything
+// runs. The views point at addresses that are never dereferenced (no such buffers could be
+// allocated: a launch would fault), 2^42 bytes apart so that they do not overlap.
 TEST(Validation, CudaLaunchLimit) {
   if (mlakv::cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device visible";
   const mlakv::Device gpu{mlakv::DeviceType::kCUDA, 0};
@@ -866,8 +866,25 @@ TEST(Validation, CudaLaunchLimit) {
       mlakv::decode_q_concat(p);
       ADD_FAILURE() << "T = " << T << ": no error";
     } catch (const mlakv::Error& e) {
-      EXPECT_NE(std::string(e.what()).find("exceed one launch"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("rows (tokens x heads) exceed one launch"),
+                std::string::npos)
+          << e.what();
     }
+  }
+  // The item limit, where no row is copied: concat_and_cache_mla's one K item a token.
+  const int64_t T = int64_t{1} << 31;
+  mlakv::ConcatAndCacheMlaParams c;
+  c.num_tokens = T;
+  c.kv_c = mlakv::make_view(never(0), DType::kBFloat16, {T, kL}, gpu);
+  c.k_pe = mlakv::make_view(never(1), DType::kBFloat16, {T, kR}, gpu);
+  c.slot_mapping = mlakv::make_view(never(2), DType::kInt64, {T}, gpu);
+  c.kv_cache = mlakv::make_cache_view(never(3), CacheFormat::kBFloat16, 4, 64, kL, kR, gpu);
+  try {
+    mlakv::concat_and_cache_mla(c);
+    ADD_FAILURE() << "T = " << T << ": no error";
+  } catch (const mlakv::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("work items exceed one launch"), std::string::npos)
+        << e.what();
   }
 }
 

@@ -28,9 +28,9 @@
 //                                of head h0 + s * hps + l / cph:
 //                                  R = 64 bf16: |h0 c0..c7|h1 c0..c7|h2 ..|h3 ..|  slot 0
 //                                                l0 .. l7  l8 .. l15 ...          |h4 .. h7| slot 1
-//                                  (64 heads an item for H >= 64: 8 KB requested by cp.async at
-//                                  once, then the position, then cos/sin columns 4c .. 4c + 3 read
-//                                  once per item, then each slot rotated and stored);
+//                                  (64 heads an item for H >= 64: the position requested, then
+//                                  8 KB by cp.async at once, then cos/sin columns 4c .. 4c + 3
+//                                  read once per item, then each slot rotated and stored);
 //                                otherwise (NeoX, unaligned, other R): up to 8 / ppl heads, slot
 //                                s < 8 of lane l: head h0 + s / ppl, pair l + 32 * (s % ppl)
 //                                (ppl = pairs per lane = ceil(R / 64)); all pair loads of the item
@@ -108,10 +108,11 @@ __device__ __forceinline__ void k_side_item(const MlaRopeCacheKernelParams& p, i
   const bool has_norm = a.kv_norm_weight != nullptr;
   const bool neox = p.apply_rope && a.rope.style == RopeStyle::kNeox;
 
-  // Every input of the token is requested before the first use, the position first: it heads the
-  // item's longest chain (position -> cos/sin -> cache entry), so its round trip starts before the
-  // row loads are issued and overlaps them; it is clamped (and counted, which keeps the compiler
-  // from hoisting later loads above the test) only after the rows are in flight.
+  // Every input of the token is requested before the first use: the slot, then the position
+  // (ahead of the rows: it heads the item's longest chain, position -> cos/sin -> cache entry, so
+  // its round trip overlaps the row loads), then the rows. The position is clamped (and counted,
+  // which keeps the compiler from hoisting later loads above the test) only after the rows are in
+  // flight.
   const int64_t slot = load_index(a.slot_mapping, t);
   const int64_t raw_pos = p.apply_rope ? load_index(a.positions, t) : 0;
   const T* kv_c = static_cast<const T*>(a.kv_c) + t * a.stride_kv_c_token;
@@ -370,10 +371,10 @@ __device__ __forceinline__ void rope_item(const MlaRopeCacheKernelParams& p, int
 // host, p.rope_chunked): token t, heads [h0, h0 + rope_heads_per_item). The rope part of a head is
 // cph = R / 8 chunks of 8 elements (4 adjacent pairs, 16 bytes of bf16); slot s < rope_chunk_slots
 // of lane l holds chunk c = l % cph of head h0 + s * (32 / cph) + l / cph, so a lane's 4 pairs use
-// the same cos/sin columns 4c .. 4c + 3 in every slot (read once). Every slot is requested at once
-// into the warp's stage (cp.async: no registers held while they fly, up to 64 heads of bf16 at
-// R = 64), then the position and the cos/sin columns are read, then each slot is rotated and
-// stored. Every element gets exactly rotate_pair / encode_pair's operations.
+// the same cos/sin columns 4c .. 4c + 3 in every slot (read once). The position is requested
+// first, then every slot at once into the warp's stage (cp.async: no registers held while they
+// fly, up to 64 heads of bf16 at R = 64), then the cos/sin columns are read, then each slot is
+// rotated and stored. Every element gets exactly rotate_pair / encode_pair's operations.
 template <typename T, typename QOut>
 __device__ __forceinline__ void rope_item_chunked(const MlaRopeCacheKernelParams& p, int64_t i,
                                                   int64_t td, float q_scale, int lane,
