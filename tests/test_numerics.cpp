@@ -261,7 +261,6 @@ TEST(NumericsCrossCheck, RopeRotate) {
   }
 }
 
-}  // namespace
 // FastDiv (the GPU work items' index decoding) equals the division for numerators below 2^31
 // (its whole domain, sampled): divisors 1-1000, every power of two and its neighbours up to
 // 2^31 - 1, random ones; numerators 0, 1, 2^31 - 1, around small and the largest multiples of
@@ -302,4 +301,5 @@ TEST(FastDiv, EqualsDivisionBelow2To31) {
   EXPECT_GT(checked, 100000);
 }
 
+}  // namespace
 }  // namespace mlakv
