@@ -502,9 +502,9 @@ TEST_P(RmsNormQuantTest, GroupSizesPow2AndFloat32) {
 }
 
 // Row widths of the CUDA backend's exact-fit kernel (512, 1024; 1536 in most other tests; two
-// rows a block, so odd T leaves a block with one row) and of its generic kernel (the others),
-// with the residual, normed_out (separate or in place), pow2 scales, group sizes and scale layouts
-// varied over the widths.
+// rows a block, so odd T leaves a block with one row; its two thread forms by grid size) and of its
+// generic kernel (the others), with the residual, normed_out (separate or in place), pow2 scales,
+// group sizes and scale layouts varied over the widths.
 TEST_P(RmsNormQuantTest, ExactFitAndGenericWidths) {
   uint64_t seed = 1100;
   for (DType dt : {DType::kBFloat16, DType::kFloat16, DType::kFloat32}) {
@@ -513,7 +513,9 @@ TEST_P(RmsNormQuantTest, ExactFitAndGenericWidths) {
       c.name = "widths";
       c.dtype = dt;
       c.N = N;
-      c.T = N >= 4096 ? 3 : 5;
+      // bf16 N = 1024 at T = 3001: the exact-fit kernel's large-grid thread form (the others at
+      // T = 5 its small-grid form; see "groups" below).
+      c.T = N >= 4096 ? 3 : (N == 1024 && dt == DType::kBFloat16 ? 3001 : 5);
       c.residual = (N / 256) % 2 == 0;
       c.normed = c.residual ? Case::kSeparate : Case::kInPlace;
       c.group_size = N == 2048 ? 64 : 128;
@@ -522,19 +524,23 @@ TEST_P(RmsNormQuantTest, ExactFitAndGenericWidths) {
       run_rmsnorm_quant(c, ++seed);
     }
   }
-  // Every group size on the exact-fit kernel's widest row (3 chunks a thread: a group is 2 to 32
-  // lanes, and a thread's chunks lie in different groups).
+  // Every group size on the exact-fit kernel's widest row, in both of its CUDA thread forms: a
+  // small grid (T = 5) takes one chunk a thread, a large one (T = 3001, over
+  // kRmsqOneChunkMaxBlocks blocks of two rows) 3 chunks a thread (a group is 2 to 32 lanes, and a
+  // thread's chunks lie in different groups).
   for (DType dt : {DType::kBFloat16, DType::kFloat16}) {
     for (int64_t G : {16, 32, 64, 256}) {
-      Case c;
-      c.name = "groups";
-      c.dtype = dt;
-      c.T = 5;
-      c.group_size = G;
-      c.residual = G != 32;
-      c.normed = c.residual ? Case::kSeparate : Case::kInPlace;
-      c.layout = G == 64 ? ScaleLayout::kColumnMajor : ScaleLayout::kRowMajor;
-      run_rmsnorm_quant(c, ++seed);
+      for (int64_t T : {5, 3001}) {
+        Case c;
+        c.name = "groups";
+        c.dtype = dt;
+        c.T = T;
+        c.group_size = G;
+        c.residual = G != 32;
+        c.normed = c.residual ? Case::kSeparate : Case::kInPlace;
+        c.layout = G == 64 ? ScaleLayout::kColumnMajor : ScaleLayout::kRowMajor;
+        run_rmsnorm_quant(c, ++seed);
+      }
     }
   }
 }
@@ -869,10 +875,12 @@ TEST_P(RmsNormQuantTest, FusedEqualsUnfused) {
 
 // ---- the dual form -----------------------------------------------------------------------------
 
+// T = 1601: q_c's blocks are over kRmsqOneChunkMaxBlocks, the CUDA exact-fit kernel's large-grid
+// thread form; below, its small-grid one (192 threads, the kv_c blocks on the first 64).
 TEST_P(RmsNormQuantTest, DualForm) {
   uint64_t seed = 800;
   for (DType dt : {DType::kBFloat16, DType::kFloat16}) {
-    for (int64_t T : {1, 64, 1000}) {
+    for (int64_t T : {1, 64, 1601}) {
       for (bool in_place : {false, true}) {
         Case qc;
         qc.name = "dual q_c";
@@ -897,10 +905,11 @@ TEST_P(RmsNormQuantTest, DualForm) {
 }
 
 // Different token counts for the two tasks (one may be 0): the CUDA exact-fit kernel's blocks
-// take two rows of one task each, ceil(T_q / 2) blocks of q_c first.
+// take two rows of one task each, ceil(T_q / 2) blocks of q_c first (its thread form chosen by
+// q_c's blocks: {1601, 3} the large-grid one, {3, 1601} many kv_c blocks in the small-grid one).
 TEST_P(RmsNormQuantTest, DualFormTokenCounts) {
   uint64_t seed = 1300;
-  const int64_t counts[][2] = {{5, 3}, {0, 4}, {3, 0}, {2, 7}};
+  const int64_t counts[][2] = {{5, 3}, {0, 4}, {3, 0}, {2, 7}, {1601, 3}, {3, 1601}};
   for (DType dt : {DType::kBFloat16, DType::kFloat16, DType::kFloat32}) {
     for (const auto& tc : counts) {
       Case qc;

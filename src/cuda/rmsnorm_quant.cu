@@ -26,7 +26,15 @@ template <typename T, int kN>
 bool launch_rows_if(const RmsNormQuantKernelParams& params, int64_t N, int64_t num_blocks,
                     int64_t max_norm_hidden, const Launch& launch) {
   if (N != kN) return false;
-  launch_rmsnorm_quant_rows_kernel<T, kN, 0>(params, num_blocks, max_norm_hidden, launch);
+  constexpr int kFewThreads = rmsq_rows_threads(kN, 0);
+  constexpr int kOneChunkThreads = kN / kChunkElems;
+  if (kOneChunkThreads != kFewThreads && num_blocks <= kRmsqOneChunkMaxBlocks) {
+    launch_rmsnorm_quant_rows_kernel<T, kN, 0, kOneChunkThreads, kOneChunkThreads>(
+        params, num_blocks, max_norm_hidden, launch);
+  } else {
+    launch_rmsnorm_quant_rows_kernel<T, kN, 0, kFewThreads, kFewThreads>(params, num_blocks,
+                                                                         max_norm_hidden, launch);
+  }
   return true;
 }
 
@@ -55,7 +63,14 @@ bool launch_exact_fit(const core::RmsNormQuantArgs& args, int64_t max_norm_hidde
   MLAKV_MODEL_DTYPE_SWITCH(args.model_dtype, "cuda::rmsnorm_quant: model_dtype", T, [&] {
     if (widths[1] != 0) {
       if (widths[0] == 1536 && widths[1] == 512) {
-        launch_rmsnorm_quant_rows_kernel<T, 1536, 512>(params, total, max_norm_hidden, launch);
+        constexpr int kFew = rmsq_rows_threads(1536, 512);
+        if (num_blocks[0] <= kRmsqOneChunkMaxBlocks) {  // q_c's blocks (the kv_c ones are short)
+          launch_rmsnorm_quant_rows_kernel<T, 1536, 512, 1536 / kChunkElems, 512 / kChunkElems>(
+              params, total, max_norm_hidden, launch);
+        } else {
+          launch_rmsnorm_quant_rows_kernel<T, 1536, 512, kFew, kFew>(params, total, max_norm_hidden,
+                                                                     launch);
+        }
         launched = true;
       }
       return;
@@ -114,14 +129,17 @@ template void launch_rmsnorm_quant_kernel<num::Half>(const RmsNormQuantKernelPar
 template void launch_rmsnorm_quant_kernel<float>(const RmsNormQuantKernelParams&, int64_t, int,
                                                  int64_t, const Launch&);
 
-#define MLAKV_RMSQ_ROWS_INSTANCE(T, N0, N1)                                                  \
-  template void launch_rmsnorm_quant_rows_kernel<T, N0, N1>(const RmsNormQuantKernelParams&, \
-                                                            int64_t, int64_t, const Launch&);
-#define MLAKV_RMSQ_ROWS_INSTANCES(T)   \
-  MLAKV_RMSQ_ROWS_INSTANCE(T, 512, 0)  \
-  MLAKV_RMSQ_ROWS_INSTANCE(T, 1024, 0) \
-  MLAKV_RMSQ_ROWS_INSTANCE(T, 1536, 0) \
-  MLAKV_RMSQ_ROWS_INSTANCE(T, 1536, 512)
+#define MLAKV_RMSQ_ROWS_INSTANCE(T, N0, N1, kThreads0, kThreads1)                  \
+  template void launch_rmsnorm_quant_rows_kernel<T, N0, N1, kThreads0, kThreads1>( \
+      const RmsNormQuantKernelParams&, int64_t, int64_t, const Launch&);
+#define MLAKV_RMSQ_ROWS_INSTANCES(T)             \
+  MLAKV_RMSQ_ROWS_INSTANCE(T, 512, 0, 64, 64)    \
+  MLAKV_RMSQ_ROWS_INSTANCE(T, 1024, 0, 64, 64)   \
+  MLAKV_RMSQ_ROWS_INSTANCE(T, 1024, 0, 128, 128) \
+  MLAKV_RMSQ_ROWS_INSTANCE(T, 1536, 0, 64, 64)   \
+  MLAKV_RMSQ_ROWS_INSTANCE(T, 1536, 0, 192, 192) \
+  MLAKV_RMSQ_ROWS_INSTANCE(T, 1536, 512, 64, 64) \
+  MLAKV_RMSQ_ROWS_INSTANCE(T, 1536, 512, 192, 64)
 MLAKV_RMSQ_ROWS_INSTANCES(num::Bf16)
 MLAKV_RMSQ_ROWS_INSTANCES(num::Half)
 MLAKV_RMSQ_ROWS_INSTANCES(float)

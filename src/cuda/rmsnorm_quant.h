@@ -44,6 +44,15 @@ constexpr int64_t rmsq_threads_for(int64_t max_chunks) {
 // of every row (kChunks, a compile-time constant like the offsets between them), a block taking
 // kRmsqRowsPerBlock rows of one task.
 constexpr int kRmsqRowsPerBlock = 2;
+
+// The exact-fit kernel's two thread forms. Up to this many blocks of task 0 (T0 <= 1536 rows of
+// N0 = 1024 or 1536) it runs one chunk a thread (N / 8 threads; in the dual form the kv_c blocks
+// use their first 64 threads), above it rmsq_rows_threads's few threads of up to 4 chunks. A
+// small grid's time is one block's chain of dependent instructions, which the wider block
+// shortens (q_c T = 1: 2.8 -> 2.2 us, T = 1024: 5.3 -> 4.8 us on the H200); a large grid's is its
+// memory traffic, moved with fewer instructions by fewer threads (T = 2048: 7.3 us against 7.4,
+// T = 16384: 30.6 against 36.0). docs/perf-notes.md, seventh session.
+constexpr int64_t kRmsqOneChunkMaxBlocks = 768;
 constexpr int rmsq_rows_threads(int N0, int N1) {
   return static_cast<int>(rmsq_threads_for((N0 > N1 ? N0 : N1) / 8));
 }
@@ -75,7 +84,7 @@ void launch_rmsnorm_quant_kernel(const RmsNormQuantKernelParams& params, int64_t
 
 // The exact-fit kernel for rows of N0 (task 0) and N1 (task 1, dual form; 0: none) elements:
 // `num_blocks` = ceil(T0 / 2) + ceil(T1 / 2).
-template <typename T, int kN0, int kN1>
+template <typename T, int kN0, int kN1, int kThreads0, int kThreads1>
 void launch_rmsnorm_quant_rows_kernel(const RmsNormQuantKernelParams& params, int64_t num_blocks,
                                       int64_t max_norm_hidden, const Launch& launch);
 

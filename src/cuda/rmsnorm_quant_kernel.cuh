@@ -50,10 +50,11 @@
 // num::quantize's.
 //
 // ---- the exact-fit kernel ----
-// For rows of N = kChunks * 8 * threads elements (threads as for the generic kernel,
-// rmsq_threads_for; kChunks and N compile-time): a block takes two rows (t0 = 2b, t0 + 1) of one
-// task, and thread tid holds chunk c = tid + i * threads of BOTH rows, i < kChunks, so that chunk
-// i of the two rows shares its weight chunk, its lanes and its group:
+// For rows of N = kChunks * 8 * threads elements (kChunks, N and threads compile-time; threads
+// either as for the generic kernel, rmsq_threads_for, or N / 8 for a small grid: one chunk a
+// thread, kRmsqOneChunkMaxBlocks in rmsnorm_quant.h): a block takes two rows (t0 = 2b, t0 + 1) of
+// one task, and thread tid holds chunk c = tid + i * threads of BOTH rows, i < kChunks, so that
+// chunk i of the two rows shares its weight chunk, its lanes and its group:
 //
 //   row t0      |c0 ... c(B-1)|cB ... |...      q_c (N = 1536, B = 64): 3 chunks a row a thread
 //   row t0 + 1  |c0 ... c(B-1)|cB ... |...      (the same thread for the same c)
@@ -546,11 +547,18 @@ __device__ __forceinline__ void quantize_two_bf16_chunks(
 }
 #endif
 
-// Rows t0 and t0 + 1 of one task whose rows are kN wide, on kThreads threads (kChunks chunks a
-// thread). Without a row t0 + 1 (t0 = T - 1) the second row is the first again: the same loads,
-// the same values, stored to the same places (after every load, by the same thread), so no store
-// needs a test. kNormalize: the task has a weight, kResidual: a residual, kNormed: a normed_out
-// (compile-time, so that no register moves merge the paths with and without them).
+// A barrier of the block's first kThreads threads (its other threads, if any, have returned).
+template <int kThreads>
+__device__ __forceinline__ void rows_barrier() {
+  asm volatile("bar.sync 1, %0;" ::"n"(kThreads) : "memory");
+}
+
+// Rows t0 and t0 + 1 of one task whose rows are kN wide, on the block's first kThreads threads
+// (kChunks chunks a thread). Without a row t0 + 1 (t0 = T - 1) the second row is the first again:
+// the same loads, the same values, stored to the same places (after every load, by the same
+// thread), so no store needs a test. kNormalize: the task has a weight, kResidual: a residual,
+// kNormed: a normed_out (compile-time, so that no register moves merge the paths with and without
+// them).
 template <typename T, int kN, int kThreads, bool kNormalize, bool kResidual, bool kNormed>
 __device__ __forceinline__ void rmsq_two_rows(const core::RmsNormQuantTask& task, int64_t t0,
                                               uint4* smem16, float* s_inv) {
@@ -645,12 +653,12 @@ __device__ __forceinline__ void rmsq_two_rows(const core::RmsNormQuantTask& task
       }
     }
     // Phase 2: warp 0 runs both rows' ordered sums, one per half-warp.
-    __syncthreads();
+    rows_barrier<kThreads>();
     if (tid < kWarpSize) {
       const float sum = ordered_sums_of_two_rows<kN, kSqRowStride>(sq, lane);
       if ((lane & (kSumLanes - 1)) == 0) s_inv[lane / kSumLanes] = num::rms_inv(sum, kN, task.eps);
     }
-    __syncthreads();
+    rows_barrier<kThreads>();
 #pragma unroll
     for (int row = 0; row < kRows; ++row) inv[row] = s_inv[row];
     if (kWeightEarly) cp_async_wait_all();  // this thread's own weight chunks
@@ -744,21 +752,23 @@ __device__ __forceinline__ void rmsq_two_rows_of(const core::RmsNormQuantTask& t
 }
 
 // Exact-fit rows (rmsnorm_quant.h): blocks [0, num_blocks_first) take rows (2b, 2b + 1) of task
-// 0 (rows kN0 wide), the rest (kN1 > 0: the dual form) rows of task 1 (kN1 wide).
-template <typename T, int kN0, int kN1>
-__global__ void __launch_bounds__(rmsq_rows_threads(kN0, kN1))
+// 0 (rows kN0 wide) on kThreads0 threads, the rest (kN1 > 0: the dual form) rows of task 1 (kN1
+// wide) on kThreads1 <= kThreads0 threads (the block's others return at once).
+template <typename T, int kN0, int kN1, int kThreads0, int kThreads1>
+__global__ void __launch_bounds__(kThreads0)
     rmsnorm_quant_rows_kernel(const __grid_constant__ RmsNormQuantKernelParams params) {
-  constexpr int kThreads = rmsq_rows_threads(kN0, kN1);
+  static_assert(kThreads1 <= kThreads0, "the block has kThreads0 threads");
   extern __shared__ uint4 smem16[];
   __shared__ float s_inv[kRmsqRowsPerBlock];
   pdl_wait();
   pdl_launch_dependents();
   const int64_t block = static_cast<int64_t>(blockIdx.x);
   if (kN1 > 0 && block >= params.num_blocks_first) {
-    rmsq_two_rows_of<T, (kN1 > 0 ? kN1 : kN0), kThreads>(
+    if (kThreads1 < kThreads0 && threadIdx.x >= kThreads1) return;
+    rmsq_two_rows_of<T, (kN1 > 0 ? kN1 : kN0), kThreads1>(
         params.tasks[1], kRmsqRowsPerBlock * (block - params.num_blocks_first), smem16, s_inv);
   } else {
-    rmsq_two_rows_of<T, kN0, kThreads>(params.tasks[0], kRmsqRowsPerBlock * block, smem16, s_inv);
+    rmsq_two_rows_of<T, kN0, kThreads0>(params.tasks[0], kRmsqRowsPerBlock * block, smem16, s_inv);
   }
 }
 
@@ -775,13 +785,13 @@ void launch_rmsnorm_quant_kernel(const RmsNormQuantKernelParams& params, int64_t
                 launch, params);
 }
 
-template <typename T, int kN0, int kN1>
+template <typename T, int kN0, int kN1, int kThreads0, int kThreads1>
 void launch_rmsnorm_quant_rows_kernel(const RmsNormQuantKernelParams& params, int64_t num_blocks,
                                       int64_t max_norm_hidden, const Launch& launch) {
-  constexpr int kThreads = rmsq_rows_threads(kN0, kN1);
   const size_t smem_bytes = rmsq_rows_smem_bytes<T>(max_norm_hidden);
-  launch_kernel("rmsnorm_quant_rows_kernel", rmsq::rmsnorm_quant_rows_kernel<T, kN0, kN1>,
-                static_cast<unsigned>(num_blocks), static_cast<unsigned>(kThreads), smem_bytes,
+  launch_kernel("rmsnorm_quant_rows_kernel",
+                rmsq::rmsnorm_quant_rows_kernel<T, kN0, kN1, kThreads0, kThreads1>,
+                static_cast<unsigned>(num_blocks), static_cast<unsigned>(kThreads0), smem_bytes,
                 launch, params);
 }
 
