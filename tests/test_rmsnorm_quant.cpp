@@ -513,8 +513,8 @@ TEST_P(RmsNormQuantTest, ExactFitAndGenericWidths) {
       c.name = "widths";
       c.dtype = dt;
       c.N = N;
-      // bf16 N = 1024 at T = 3001: the exact-fit kernel's large-grid thread form (the others at
-      // T = 5 its small-grid form; see "groups" below).
+      // bf16 N = 1024 at T = 3001: the exact-fit kernel's few-thread form (the others at T = 5
+      // its one-chunk form; see "groups" below).
       c.T = N >= 4096 ? 3 : (N == 1024 && dt == DType::kBFloat16 ? 3001 : 5);
       c.residual = (N / 256) % 2 == 0;
       c.normed = c.residual ? Case::kSeparate : Case::kInPlace;
@@ -524,13 +524,13 @@ TEST_P(RmsNormQuantTest, ExactFitAndGenericWidths) {
       run_rmsnorm_quant(c, ++seed);
     }
   }
-  // Every group size on the exact-fit kernel's widest row, in both of its CUDA thread forms: a
-  // small grid (T = 5) takes one chunk a thread, a large one (T = 3001, over
-  // kRmsqOneChunkMaxBlocks blocks of two rows) 3 chunks a thread (a group is 2 to 32 lanes, and a
-  // thread's chunks lie in different groups).
+  // Every group size on the exact-fit kernel's widest row, in two of its CUDA thread forms: a
+  // small grid (T = 5) takes one chunk a thread, a large one (T = 4501, over
+  // kRmsqTwoChunksMaxBlocks blocks of two rows) 3 chunks a thread (a group is 2 to 32 lanes, and a
+  // thread's chunks lie in different groups). The two-chunk form: ShapesAndTokenCounts' T = 4096.
   for (DType dt : {DType::kBFloat16, DType::kFloat16}) {
     for (int64_t G : {16, 32, 64, 256}) {
-      for (int64_t T : {5, 3001}) {
+      for (int64_t T : {5, 4501}) {
         Case c;
         c.name = "groups";
         c.dtype = dt;
@@ -875,8 +875,8 @@ TEST_P(RmsNormQuantTest, FusedEqualsUnfused) {
 
 // ---- the dual form -----------------------------------------------------------------------------
 
-// T = 1601: q_c's blocks are over kRmsqOneChunkMaxBlocks, the CUDA exact-fit kernel's large-grid
-// thread form; below, its small-grid one (192 threads, the kv_c blocks on the first 64).
+// T = 1601: q_c's blocks are over kRmsqOneChunkMaxBlocks, the CUDA exact-fit kernel's two-chunk
+// thread form (96 threads, the kv_c blocks on the first 64); below, its one-chunk form (192).
 TEST_P(RmsNormQuantTest, DualForm) {
   uint64_t seed = 800;
   for (DType dt : {DType::kBFloat16, DType::kFloat16}) {
@@ -906,10 +906,11 @@ TEST_P(RmsNormQuantTest, DualForm) {
 
 // Different token counts for the two tasks (one may be 0): the CUDA exact-fit kernel's blocks
 // take two rows of one task each, ceil(T_q / 2) blocks of q_c first (its thread form chosen by
-// q_c's blocks: {1601, 3} the large-grid one, {3, 1601} many kv_c blocks in the small-grid one).
+// q_c's blocks: {1601, 3} two chunks a thread, {4097, 3} three, {3, 1601} many kv_c blocks in
+// the one-chunk form).
 TEST_P(RmsNormQuantTest, DualFormTokenCounts) {
   uint64_t seed = 1300;
-  const int64_t counts[][2] = {{5, 3}, {0, 4}, {3, 0}, {2, 7}, {1601, 3}, {3, 1601}};
+  const int64_t counts[][2] = {{5, 3}, {0, 4}, {3, 0}, {2, 7}, {1601, 3}, {4097, 3}, {3, 1601}};
   for (DType dt : {DType::kBFloat16, DType::kFloat16, DType::kFloat32}) {
     for (const auto& tc : counts) {
       Case qc;

@@ -16,6 +16,36 @@ namespace cuda {
 
 namespace {
 
+// The exact-fit kernel for task 0's rows of N0 (and task 1's of N1 > 0, the dual form; its rows
+// always one chunk a thread), in the thread form its block count asks for (rmsnorm_quant.h).
+template <typename T, int kN0, int kN1>
+void launch_rows(const RmsNormQuantKernelParams& params, int64_t num_blocks0, int64_t total,
+                 int64_t max_norm_hidden, const Launch& launch) {
+  constexpr int kFew = rmsq_rows_threads(kN0, kN1);
+  constexpr int kOneChunk = kN0 / kChunkElems;
+  constexpr int kTwoChunks = kN0 / kChunkElems / 2;
+  // Task 1's threads in each form (no task 1: the form's own).
+  constexpr int kOne1 = kN1 > 0 ? kN1 / kChunkElems : kOneChunk;
+  constexpr int kTwo1 = kN1 > 0 ? kN1 / kChunkElems : kTwoChunks;
+  constexpr int kFew1 = kN1 > 0 ? kN1 / kChunkElems : kFew;
+  if constexpr (kOneChunk > kFew) {
+    if (num_blocks0 <= kRmsqOneChunkMaxBlocks) {
+      launch_rmsnorm_quant_rows_kernel<T, kN0, kN1, kOneChunk, kOne1>(params, total,
+                                                                      max_norm_hidden, launch);
+      return;
+    }
+  }
+  if constexpr (kTwoChunks > kFew && kTwoChunks * 2 * kChunkElems == kN0) {
+    if (num_blocks0 <= kRmsqTwoChunksMaxBlocks) {
+      launch_rmsnorm_quant_rows_kernel<T, kN0, kN1, kTwoChunks, kTwo1>(params, total,
+                                                                       max_norm_hidden, launch);
+      return;
+    }
+  }
+  launch_rmsnorm_quant_rows_kernel<T, kN0, kN1, kFew, kFew1>(params, total, max_norm_hidden,
+                                                             launch);
+}
+
 // The exact-fit kernel (rmsnorm_quant_rows_kernel) for the row widths it is compiled for: one task
 // of N = 512, 1024 or 1536 (DeepSeek-V3 / Kimi-K2 kv_c and q_c), or the dual form with q_c 1536
 // and kv_c 512. Returns false (nothing launched) for other shapes, which take
@@ -26,15 +56,7 @@ template <typename T, int kN>
 bool launch_rows_if(const RmsNormQuantKernelParams& params, int64_t N, int64_t num_blocks,
                     int64_t max_norm_hidden, const Launch& launch) {
   if (N != kN) return false;
-  constexpr int kFewThreads = rmsq_rows_threads(kN, 0);
-  constexpr int kOneChunkThreads = kN / kChunkElems;
-  if (kOneChunkThreads != kFewThreads && num_blocks <= kRmsqOneChunkMaxBlocks) {
-    launch_rmsnorm_quant_rows_kernel<T, kN, 0, kOneChunkThreads, kOneChunkThreads>(
-        params, num_blocks, max_norm_hidden, launch);
-  } else {
-    launch_rmsnorm_quant_rows_kernel<T, kN, 0, kFewThreads, kFewThreads>(params, num_blocks,
-                                                                         max_norm_hidden, launch);
-  }
+  launch_rows<T, kN, 0>(params, num_blocks, num_blocks, max_norm_hidden, launch);
   return true;
 }
 
@@ -63,14 +85,7 @@ bool launch_exact_fit(const core::RmsNormQuantArgs& args, int64_t max_norm_hidde
   MLAKV_MODEL_DTYPE_SWITCH(args.model_dtype, "cuda::rmsnorm_quant: model_dtype", T, [&] {
     if (widths[1] != 0) {
       if (widths[0] == 1536 && widths[1] == 512) {
-        constexpr int kFew = rmsq_rows_threads(1536, 512);
-        if (num_blocks[0] <= kRmsqOneChunkMaxBlocks) {  // q_c's blocks (the kv_c ones are short)
-          launch_rmsnorm_quant_rows_kernel<T, 1536, 512, 1536 / kChunkElems, 512 / kChunkElems>(
-              params, total, max_norm_hidden, launch);
-        } else {
-          launch_rmsnorm_quant_rows_kernel<T, 1536, 512, kFew, kFew>(params, total, max_norm_hidden,
-                                                                     launch);
-        }
+        launch_rows<T, 1536, 512>(params, num_blocks[0], total, max_norm_hidden, launch);
         launched = true;
       }
       return;
@@ -137,8 +152,10 @@ template void launch_rmsnorm_quant_kernel<float>(const RmsNormQuantKernelParams&
   MLAKV_RMSQ_ROWS_INSTANCE(T, 1024, 0, 64, 64)   \
   MLAKV_RMSQ_ROWS_INSTANCE(T, 1024, 0, 128, 128) \
   MLAKV_RMSQ_ROWS_INSTANCE(T, 1536, 0, 64, 64)   \
+  MLAKV_RMSQ_ROWS_INSTANCE(T, 1536, 0, 96, 96)   \
   MLAKV_RMSQ_ROWS_INSTANCE(T, 1536, 0, 192, 192) \
   MLAKV_RMSQ_ROWS_INSTANCE(T, 1536, 512, 64, 64) \
+  MLAKV_RMSQ_ROWS_INSTANCE(T, 1536, 512, 96, 64) \
   MLAKV_RMSQ_ROWS_INSTANCE(T, 1536, 512, 192, 64)
 MLAKV_RMSQ_ROWS_INSTANCES(num::Bf16)
 MLAKV_RMSQ_ROWS_INSTANCES(num::Half)

@@ -45,14 +45,17 @@ constexpr int64_t rmsq_threads_for(int64_t max_chunks) {
 // kRmsqRowsPerBlock rows of one task.
 constexpr int kRmsqRowsPerBlock = 2;
 
-// The exact-fit kernel's two thread forms. Up to this many blocks of task 0 (T0 <= 1536 rows of
-// N0 = 1024 or 1536) it runs one chunk a thread (N / 8 threads; in the dual form the kv_c blocks
-// use their first 64 threads), above it rmsq_rows_threads's few threads of up to 4 chunks. A
-// small grid's time is one block's chain of dependent instructions, which the wider block
-// shortens (q_c T = 1: 2.8 -> 2.2 us, T = 1024: 5.3 -> 4.8 us on the H200); a large grid's is its
-// memory traffic, moved with fewer instructions by fewer threads (T = 2048: 7.3 us against 7.4,
-// T = 16384: 30.6 against 36.0). docs/perf-notes.md, seventh session.
+// The exact-fit kernel's thread forms, by task 0's block count (q_c's, in the dual form, whose
+// kv_c blocks always run one chunk a thread on their first N1 / 8 threads): up to
+// kRmsqOneChunkMaxBlocks (T0 <= 1536) one chunk a thread (N0 / 8 threads), up to
+// kRmsqTwoChunksMaxBlocks (T0 <= 4096) two (N0 / 16, where that is more than rmsq_rows_threads),
+// above rmsq_rows_threads's few threads of up to 4 chunks. A small grid's time is one block's
+// chain of dependent instructions, which a wider block shortens; a large grid's is its memory
+// traffic, moved with fewer instructions by fewer threads. On the H200 (q_c, N = 1536): T = 1
+// 2.8 -> 2.2 us, T = 1024 5.3 -> 4.8 us, T = 2048 7.2 -> 6.9 us, T = 16384 unchanged (docs/
+// perf-notes.md, seventh session).
 constexpr int64_t kRmsqOneChunkMaxBlocks = 768;
+constexpr int64_t kRmsqTwoChunksMaxBlocks = 2048;
 constexpr int rmsq_rows_threads(int N0, int N1) {
   return static_cast<int>(rmsq_threads_for((N0 > N1 ? N0 : N1) / 8));
 }

@@ -51,10 +51,10 @@
 //
 // ---- the exact-fit kernel ----
 // For rows of N = kChunks * 8 * threads elements (kChunks, N and threads compile-time; threads
-// either as for the generic kernel, rmsq_threads_for, or N / 8 for a small grid: one chunk a
-// thread, kRmsqOneChunkMaxBlocks in rmsnorm_quant.h): a block takes two rows (t0 = 2b, t0 + 1) of
-// one task, and thread tid holds chunk c = tid + i * threads of BOTH rows, i < kChunks, so that
-// chunk i of the two rows shares its weight chunk, its lanes and its group:
+// as for the generic kernel, rmsq_threads_for, or N / 8 or N / 16 for smaller grids: one or two
+// chunks a thread, kRmsqOneChunkMaxBlocks in rmsnorm_quant.h): block b takes rows t0 = 2b and
+// t0 + 1 of one task, and thread tid holds chunk c = tid + i * threads of BOTH rows, i < kChunks,
+// so that chunk i of the two rows shares its weight chunk, its lanes and its group:
 //
 //   row t0      |c0 ... c(B-1)|cB ... |...      q_c (N = 1536, B = 64): 3 chunks a row a thread
 //   row t0 + 1  |c0 ... c(B-1)|cB ... |...      (the same thread for the same c)
@@ -758,6 +758,7 @@ template <typename T, int kN0, int kN1, int kThreads0, int kThreads1>
 __global__ void __launch_bounds__(kThreads0)
     rmsnorm_quant_rows_kernel(const __grid_constant__ RmsNormQuantKernelParams params) {
   static_assert(kThreads1 <= kThreads0, "the block has kThreads0 threads");
+  static_assert(kThreads0 % kWarpSize == 0 && kThreads1 % kWarpSize == 0, "whole warps");
   extern __shared__ uint4 smem16[];
   __shared__ float s_inv[kRmsqRowsPerBlock];
   pdl_wait();
