@@ -502,35 +502,38 @@ TEST_P(RmsNormQuantTest, GroupSizesPow2AndFloat32) {
 }
 
 // Row widths of the CUDA backend's exact-fit kernel (512, 1024; 1536 in most other tests; two
-// rows a block, so odd T leaves a block with one row; its two thread forms by grid size) and of its
+// rows a block, so odd T leaves a block with one row; its thread forms by grid size) and of its
 // generic kernel (the others), with the residual, normed_out (separate or in place), pow2 scales,
 // group sizes and scale layouts varied over the widths.
 TEST_P(RmsNormQuantTest, ExactFitAndGenericWidths) {
   uint64_t seed = 1100;
   for (DType dt : {DType::kBFloat16, DType::kFloat16, DType::kFloat32}) {
     for (int64_t N : {512, 768, 1024, 2048, 2560, 4096, 5120, 8192}) {
-      Case c;
-      c.name = "widths";
-      c.dtype = dt;
-      c.N = N;
-      // bf16 N = 1024 at T = 3001: the exact-fit kernel's few-thread form (the others at T = 5
-      // its one-chunk form; see "groups" below).
-      c.T = N >= 4096 ? 3 : (N == 1024 && dt == DType::kBFloat16 ? 3001 : 5);
-      c.residual = (N / 256) % 2 == 0;
-      c.normed = c.residual ? Case::kSeparate : Case::kInPlace;
-      c.group_size = N == 2048 ? 64 : 128;
-      c.pow2 = N == 1024 || N == 5120;
-      c.layout = (N / 512) % 2 == 0 ? ScaleLayout::kColumnMajor : ScaleLayout::kRowMajor;
-      run_rmsnorm_quant(c, ++seed);
+      // N = 1024 also at T = 3001 (1501 blocks): the exact-fit kernel's 64-thread form, T = 5
+      // its one-chunk form (see "groups" below for N = 1536).
+      for (int64_t T : {int64_t{5}, int64_t{3001}}) {
+        if (T == 3001 && N != 1024) continue;
+        Case c;
+        c.name = "widths";
+        c.dtype = dt;
+        c.N = N;
+        c.T = N >= 4096 ? 3 : T;
+        c.residual = (N / 256) % 2 == 0;
+        c.normed = c.residual ? Case::kSeparate : Case::kInPlace;
+        c.group_size = N == 2048 ? 64 : 128;
+        c.pow2 = N == 1024 || N == 5120;
+        c.layout = (N / 512) % 2 == 0 ? ScaleLayout::kColumnMajor : ScaleLayout::kRowMajor;
+        run_rmsnorm_quant(c, ++seed);
+      }
     }
   }
-  // Every group size on the exact-fit kernel's widest row, in two of its CUDA thread forms: a
-  // small grid (T = 5) takes one chunk a thread, a large one (T = 4501, over
-  // kRmsqTwoChunksMaxBlocks blocks of two rows) 3 chunks a thread (a group is 2 to 32 lanes, and a
-  // thread's chunks lie in different groups). The two-chunk form: ShapesAndTokenCounts' T = 4096.
+  // Every group size on the exact-fit kernel's widest row, in each of its CUDA thread forms (by
+  // q_c's blocks of two rows, rmsnorm_quant.h): T = 5 one chunk a thread, T = 3001 two (96
+  // threads: a thread's scales are 96 / lanes-per-group groups apart), T = 4501 three (a group is
+  // 2 to 32 lanes, and a thread's chunks lie in different groups).
   for (DType dt : {DType::kBFloat16, DType::kFloat16}) {
     for (int64_t G : {16, 32, 64, 256}) {
-      for (int64_t T : {5, 4501}) {
+      for (int64_t T : {5, 3001, 4501}) {
         Case c;
         c.name = "groups";
         c.dtype = dt;

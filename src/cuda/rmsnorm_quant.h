@@ -40,9 +40,9 @@ constexpr int64_t rmsq_threads_for(int64_t max_chunks) {
 }
 
 // The exact-fit kernel (rmsnorm_quant_rows_kernel), compiled for a few row widths (N0, and N1 > 0
-// for the dual form): the same threads as above, every thread holding the same number of chunks
-// of every row (kChunks, a compile-time constant like the offsets between them), a block taking
-// kRmsqRowsPerBlock rows of one task.
+// for the dual form): in one of the thread forms below, every thread holding the same number of
+// chunks of every row (kChunks, a compile-time constant like the offsets between them), a block
+// taking kRmsqRowsPerBlock rows of one task.
 constexpr int kRmsqRowsPerBlock = 2;
 
 // The exact-fit kernel's thread forms, by task 0's block count (q_c's, in the dual form, whose
