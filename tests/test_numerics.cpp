@@ -1,16 +1,20 @@
 // mlakv tests: the scalar numerics. Both the library's src/common/numerics.h and the reference's
-// own codec against a table of known values, then cross-checked against each other exhaustively.
+// own codec against a table of known values, then cross-checked against each other exhaustively;
+// RMSNorm's fp32 sum of squares (src/cpu/cpu_common.h) against its documented order.
 #include <gtest/gtest.h>
 
 #include <cfloat>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <limits>
 #include <random>
+#include <type_traits>
 #include <vector>
 
 #include "common/fast_div.h"
 #include "common/numerics.h"
+#include "cpu/cpu_common.h"
 #include "reference/reference.h"
 
 namespace mlakv {
@@ -299,6 +303,129 @@ TEST(FastDiv, EqualsDivisionBelow2To31) {
     }
   }
   EXPECT_GT(checked, 100000);
+}
+
+// ---- RMSNorm's sum of squares ------------------------------------------------------------------
+// The library's one order (docs/rmsnorm_quant.md), written here as its definition: the complete
+// binary tree over [lo, lo + size), size a power of two, split at the midpoint; leaves past the
+// row are +0.
+float tree_sum(const std::vector<float>& squares, size_t lo, size_t size) {
+  if (lo >= squares.size()) return 0.0f;
+  if (size == 1) return squares[lo];
+  const size_t half = size / 2;
+  return tree_sum(squares, lo, half) + tree_sum(squares, lo + half, half);
+}
+
+float tree_sum(const std::vector<float>& squares) {
+  size_t size = 1;
+  while (size < squares.size()) size *= 2;
+  return tree_sum(squares, 0, size);
+}
+
+// The library's previous order: 16 interleaved partial sums, then partial[k] += partial[k + w].
+float sixteen_partials_sum(const std::vector<float>& squares) {
+  float partial[16] = {};
+  for (size_t i = 0; i < squares.size(); ++i) partial[i % 16] += squares[i];
+  for (int w = 8; w > 0; w /= 2) {
+    for (int k = 0; k < w; ++k) partial[k] += partial[k + w];
+  }
+  return partial[0];
+}
+
+float sequential_sum(const std::vector<float>& squares) {
+  float sum = 0.0f;
+  for (float q : squares) sum += q;
+  return sum;
+}
+
+uint32_t float_to_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+
+// A row of T: random signs and magnitudes in [2^min_exp, 2^(max_exp + 1)), never zero; the
+// values and their fp32 squares as the reference sees them, through the reference's own decoders.
+template <typename T>
+struct SumSquaresRow {
+  std::vector<T> stored;
+  std::vector<float> values;
+  std::vector<float> squares;
+};
+
+template <typename T>
+SumSquaresRow<T> random_row(int64_t n, int min_exp, int max_exp, std::mt19937_64& rng) {
+  std::uniform_real_distribution<float> mantissa(1.0f, 2.0f);
+  std::uniform_int_distribution<int> exponent(min_exp, max_exp);
+  std::bernoulli_distribution negative(0.5);
+  SumSquaresRow<T> r;
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = (negative(rng) ? -1.0f : 1.0f) * std::ldexp(mantissa(rng), exponent(rng));
+    float value = v;
+    if constexpr (std::is_same_v<T, float>) {
+      r.stored.push_back(v);
+    } else if constexpr (std::is_same_v<T, num::Bf16>) {
+      r.stored.push_back(T{ref::float_to_bf16(v)});
+      value = ref::bf16_to_float(r.stored.back().bits);
+    } else {
+      r.stored.push_back(T{ref::float_to_fp16(v)});
+      value = ref::fp16_to_float(r.stored.back().bits);
+    }
+    r.values.push_back(value);
+    r.squares.push_back(value * value);
+  }
+  return r;
+}
+
+// sum_squares equals the tree bit for bit at every n; the data tells the orders apart (the old
+// 16-partial order and the sequential sum each give another float for some n), so a wrong order
+// cannot pass.
+template <typename T>
+void expect_tree_order(const char* dtype, int min_exp, int max_exp) {
+  const int64_t kSizes[] = {1, 2, 3, 7, 8, 9, 31, 255, 256, 257, 512, 1000, 1536, 5000, 7168};
+  std::mt19937_64 rng(0x5eed5a + static_cast<uint64_t>(sizeof(T)));
+  int differs_from_partials = 0;
+  int differs_from_sequential = 0;
+  for (int trial = 0; trial < 3; ++trial) {
+    for (const int64_t n : kSizes) {
+      const SumSquaresRow<T> r = random_row<T>(n, min_exp, max_exp, rng);
+      for (size_t i = 0; i < r.values.size(); ++i) {
+        ASSERT_EQ(num::to_float(r.stored[i]), r.values[i]) << dtype << " element " << i;
+      }
+      const float expected = tree_sum(r.squares);
+      const float got = cpu::detail::sum_squares(r.stored.data(), n);
+      ASSERT_EQ(float_to_bits(got), float_to_bits(expected))
+          << dtype << " n " << n << " trial " << trial << ": sum_squares " << got << ", tree "
+          << expected;
+      if (float_to_bits(sixteen_partials_sum(r.squares)) != float_to_bits(expected)) {
+        ++differs_from_partials;
+      }
+      if (float_to_bits(sequential_sum(r.squares)) != float_to_bits(expected)) {
+        ++differs_from_sequential;
+      }
+    }
+  }
+  EXPECT_GT(differs_from_partials, 0) << dtype << ": the data does not tell the orders apart";
+  EXPECT_GT(differs_from_sequential, 0) << dtype << ": the data does not tell the orders apart";
+}
+
+TEST(SumSquares, PairwiseTreeFloat32) { expect_tree_order<float>("float32", -20, 20); }
+TEST(SumSquares, PairwiseTreeBFloat16) { expect_tree_order<num::Bf16>("bfloat16", -20, 20); }
+// fp16: below 2^-14 the values are subnormal; 2^15 would overflow near 2^16 (max 65504).
+TEST(SumSquares, PairwiseTreeFloat16) { expect_tree_order<num::Half>("float16", -20, 14); }
+
+// The examples of docs/rmsnorm_quant.md written out: n = 3 is (q0 + q1) + q2, n = 6 is
+// ((q0 + q1) + (q2 + q3)) + (q4 + q5).
+TEST(SumSquares, SmallTreesWrittenOut) {
+  std::mt19937_64 rng(61);
+  for (int trial = 0; trial < 1000; ++trial) {
+    const SumSquaresRow<float> r = random_row<float>(6, -20, 20, rng);
+    const std::vector<float>& q = r.squares;
+    const float three = (q[0] + q[1]) + q[2];
+    const float six = ((q[0] + q[1]) + (q[2] + q[3])) + (q[4] + q[5]);
+    ASSERT_EQ(float_to_bits(cpu::detail::sum_squares(r.stored.data(), 3)), float_to_bits(three));
+    ASSERT_EQ(float_to_bits(cpu::detail::sum_squares(r.stored.data(), 6)), float_to_bits(six));
+  }
 }
 
 }  // namespace

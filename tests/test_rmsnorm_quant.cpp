@@ -4,10 +4,11 @@
 // The reference works in double and rounds to float after every step (exact: every fp32 op on two
 // floats is correctly rounded when computed in double and rounded once), and rounds to bf16 /
 // fp16 / e4m3 with its own round-to-nearest-even on doubles, not with src/common/numerics.h. It
-// sums the squares in the CPU backend's documented order (16 interleaved lanes, then a halving
-// tree), so results must match byte for byte on every backend (the CUDA kernel sums in that order
-// too): values, scales, normalized outputs, residual write-back, and every byte the op must not
-// touch (rows past T, gaps of strided rows, padding of column-major scales).
+// sums the squares in the library's documented order (the pairwise tree over the element index,
+// the row padded with +0 to a power of two), so results must match byte for byte on every backend
+// (the CUDA kernels sum in that order too): values, scales, normalized outputs, residual
+// write-back, and every byte the op must not touch (rows past T, gaps of strided rows, padding of
+// column-major scales).
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -163,13 +164,17 @@ void reference(const RefJob& job) {
       }
     }
     if (job.weight.present()) {
-      // 16 interleaved fp32 partial sums, then acc[k] += acc[k + w] for w = 8, 4, 2, 1.
-      double acc[16] = {};
-      for (int64_t j = 0; j < N; ++j) acc[j % 16] = f32(acc[j % 16] + f32(s[j] * s[j]));
-      for (int w = 8; w > 0; w /= 2) {
-        for (int k = 0; k < w; ++k) acc[k] = f32(acc[k] + acc[k + w]);
+      // The pairwise tree, level by level: elements 2j and 2j + 1 of a level add into element j
+      // of the next; an odd level's last element moves up unchanged.
+      std::vector<double> level(N);
+      for (int64_t j = 0; j < N; ++j) level[j] = f32(s[j] * s[j]);
+      while (level.size() > 1) {
+        const size_t n = level.size();
+        for (size_t j = 0; j < n / 2; ++j) level[j] = f32(level[2 * j] + level[2 * j + 1]);
+        if (n % 2 != 0) level[n / 2] = level[n - 1];
+        level.resize((n + 1) / 2);
       }
-      const double mean = f32(acc[0] / static_cast<double>(N));
+      const double mean = f32(level[0] / static_cast<double>(N));
       const double inv = f32(1.0 / f32(std::sqrt(f32(mean + f32(job.eps)))));
       for (int64_t j = 0; j < N; ++j) {
         const double w =
@@ -493,7 +498,9 @@ TEST_P(RmsNormQuantTest, GroupSizesPow2AndFloat32) {
     c.normed = Case::kSeparate;
     run_rmsnorm_quant(c, ++seed);
   }
-  Case odd;  // a hidden size that is not a multiple of 16 lanes / 128: N = 3 * 16 * 7
+  // A hidden size that is no power of two and not a multiple of 128 or of a warp's 256 elements:
+  // N = 336, 42 chunks of 8, so the sum's tree has odd levels.
+  Case odd;
   odd.name = "odd";
   odd.N = 336;
   odd.T = 5;
@@ -878,8 +885,9 @@ TEST_P(RmsNormQuantTest, FusedEqualsUnfused) {
 
 // ---- the dual form -----------------------------------------------------------------------------
 
-// T = 1601: q_c's blocks are over kRmsqOneChunkMaxBlocks, the CUDA exact-fit kernel's two-chunk
-// thread form (96 threads, the kv_c blocks on the first 64); below, its one-chunk form (192).
+// T = 1601: the grid (801 blocks of q_c, 801 of kv_c) is over kRmsqOneChunkMaxBlocks, the CUDA
+// exact-fit kernel's two-chunk thread form (96 threads, the kv_c blocks on the first 64); below,
+// its one-chunk form (192).
 TEST_P(RmsNormQuantTest, DualForm) {
   uint64_t seed = 800;
   for (DType dt : {DType::kBFloat16, DType::kFloat16}) {
@@ -908,12 +916,14 @@ TEST_P(RmsNormQuantTest, DualForm) {
 }
 
 // Different token counts for the two tasks (one may be 0): the CUDA exact-fit kernel's blocks
-// take two rows of one task each, ceil(T_q / 2) blocks of q_c first (its thread form chosen by
-// q_c's blocks: {1601, 3} two chunks a thread, {4097, 3} three, {3, 1601} many kv_c blocks in
-// the one-chunk form).
+// take two rows of one task each, ceil(T_q / 2) blocks of q_c first; its thread form is one chunk
+// a thread while the whole grid has at most kRmsqOneChunkMaxBlocks = 768 blocks ({3, 1201}: 603,
+// {768, 768}: 768), else two while q_c has at most 2048 ({770, 768}: 769 in all, {1601, 3},
+// {3, 1601}: many kv_c blocks), else three ({4097, 3}).
 TEST_P(RmsNormQuantTest, DualFormTokenCounts) {
   uint64_t seed = 1300;
-  const int64_t counts[][2] = {{5, 3}, {0, 4}, {3, 0}, {2, 7}, {1601, 3}, {4097, 3}, {3, 1601}};
+  const int64_t counts[][2] = {{5, 3},    {0, 4},    {3, 0},    {2, 7},     {1601, 3},
+                               {4097, 3}, {3, 1601}, {3, 1201}, {768, 768}, {770, 768}};
   for (DType dt : {DType::kBFloat16, DType::kFloat16, DType::kFloat32}) {
     for (const auto& tc : counts) {
       Case qc;

@@ -20,10 +20,6 @@ namespace cuda {
 
 constexpr int kWarpSize = 32;
 constexpr unsigned kFullMask = 0xffffffffu;
-// RMSNorm sums squares in this many interleaved partial sums (element i into sum i % 16), then
-// combines them pairwise; the CPU backend uses the same order, so normalized values are bitwise
-// equal across backends and between the fused op and rms_norm.
-constexpr int kSumLanes = 16;
 
 template <typename T>
 constexpr bool kIsFp8 = std::is_same_v<T, num::Fp8E4M3> || std::is_same_v<T, num::Fp8E5M2>;
@@ -531,47 +527,79 @@ __device__ __forceinline__ float group_max(float v, int width) {
   return v;
 }
 
-// The CPU backend's sum of squares: partial sum k < 16 adds x[i]^2 for i = k, k + 16, ... in order,
-// then partial k += partial k + w for w = 8, 4, 2, 1. `row` (per-warp shared memory) holds elements
-// [i_begin, i_end) at row[i - i_begin]; i_begin is a multiple of 16 and `acc` is the running
-// partial sum of this lane (lanes >= 16 keep 0). All lanes call it.
+// ---- RMSNorm's sum of squares: the pairwise tree over the element index ----------------------
+// The library's one order (cpu_common.h detail::sum_squares, docs/rmsnorm_quant.md): each level
+// of the tree adds elements 2j and 2j + 1, an odd level's last element moves up unchanged; that
+// is the complete tree over the row padded with +0 to a power of two, so any aligned run of 2^k
+// elements is one subtree, and elements past the row may enter as +0 (a square is >= +0 or NaN).
+// The kernels build it from the bottom: a chunk of 8 elements (chunk_square_sum), 32 chunks c0 ..
+// c0 + 31 (c0 a multiple of 32) held by lanes 0 .. 31 of a warp (warp_pairwise_sum), then the
+// run of such 256-element sums in row order (pairwise_sum).
+
+// The subtree of one chunk: ((q0 + q1) + (q2 + q3)) + ((q4 + q5) + (q6 + q7)), q_k = x_k * x_k.
+__device__ __forceinline__ float chunk_square_sum(const float (&x)[kChunkElems]) {
+  float q[kChunkElems];
+#pragma unroll
+  for (int k = 0; k < kChunkElems; ++k) q[k] = num::mul_rn(x[k], x[k]);
+  return num::add_rn(num::add_rn(num::add_rn(q[0], q[1]), num::add_rn(q[2], q[3])),
+                     num::add_rn(num::add_rn(q[4], q[5]), num::add_rn(q[6], q[7])));
+}
 template <typename T>
-__device__ __forceinline__ float accumulate_squares(const T* row, int64_t i_begin, int64_t i_end,
-                                                    float acc, int lane) {
-  __syncwarp();
-  if (lane < kSumLanes) {
-    // Eight reads at a time ahead of the (ordered) additions: only the adds form a chain.
-    constexpr int kAhead = 8;
-    int64_t i = i_begin + lane;
-    for (; i + (kAhead - 1) * kSumLanes < i_end; i += kAhead * kSumLanes) {
-      float sq[kAhead];
+__device__ __forceinline__ float chunk_square_sum(const Chunk<T>& c) {
+  float x[kChunkElems];
 #pragma unroll
-      for (int k = 0; k < kAhead; ++k) {
-        const float v = num::to_float(row[i - i_begin + k * kSumLanes]);
-        sq[k] = num::mul_rn(v, v);
-      }
-#pragma unroll
-      for (int k = 0; k < kAhead; ++k) acc = num::add_rn(acc, sq[k]);
-    }
-    for (; i < i_end; i += kSumLanes) {
-      const float v = num::to_float(row[i - i_begin]);
-      acc = num::add_rn(acc, num::mul_rn(v, v));
-    }
-  }
-  __syncwarp();
-  return acc;
+  for (int k = 0; k < kChunkElems; ++k) x[k] = num::to_float(c.v[k]);
+  return chunk_square_sum(x);
 }
 
-// Combines the 16 partial sums (lane k holds partial k) pairwise as the CPU does; the total is
-// returned on every lane.
-__device__ __forceinline__ float combine_partial_sums(float acc, int lane) {
+// The subtree of the 32 chunks the warp's lanes hold (lane l: chunk c0 + l's sum), on every lane:
+// level k adds the lanes l and l ^ 2^k, whose sum is the same float in both (a + b = b + a).
+__device__ __forceinline__ float warp_pairwise_sum(float v) {
 #pragma unroll
-  for (int width = kSumLanes / 2; width > 0; width /= 2) {
-    const float other = __shfl_down_sync(kFullMask, acc, width);
-    if (lane < width) acc = num::add_rn(acc, other);
+  for (int offset = 1; offset < kWarpSize; offset *= 2) {
+    v = num::add_rn(v, __shfl_xor_sync(kFullMask, v, offset));
   }
-  return __shfl_sync(kFullMask, acc, 0);
+  return v;
 }
+
+// The tree over v[0, kN) (adjacent pairs first, an odd level's last element carried up).
+template <int kN>
+__device__ __forceinline__ float pairwise_sum(const float (&v)[kN]) {
+  static_assert(kN >= 1, "at least one value");
+  if constexpr (kN == 1) {
+    return v[0];
+  } else {
+    float next[(kN + 1) / 2];
+#pragma unroll
+    for (int j = 0; j < kN / 2; ++j) next[j] = num::add_rn(v[2 * j], v[2 * j + 1]);
+    if constexpr (kN % 2 == 1) next[kN / 2] = v[kN - 1];
+    return pairwise_sum(next);
+  }
+}
+
+// Merges the sums of equal-size subtrees arriving left to right (a row's segments) into the tree
+// over all of them, as a binary counter merges carries: after subtree c, one merge for each
+// trailing 1 bit of c; total() then adds each pending subtree, smallest first, to the one on its
+// left (the padded tree's right edge). kDepth bounds log2 of the number of subtrees.
+template <int kDepth>
+struct PairwiseMerger {
+  float pending[kDepth];
+  int depth = 0;
+  int64_t count = 0;
+  __device__ __forceinline__ void add(float v) {
+    for (int64_t carry = count++; (carry & 1) != 0; carry >>= 1) {
+      v = num::add_rn(pending[--depth], v);
+    }
+    pending[depth++] = v;
+  }
+  __device__ __forceinline__ float total() const {
+    if (depth == 0) return 0.0f;
+    int d = depth;
+    float acc = pending[--d];
+    while (d > 0) acc = num::add_rn(pending[--d], acc);
+    return acc;
+  }
+};
 
 }  // namespace cuda
 }  // namespace mlakv

@@ -10,8 +10,8 @@
 //                                  kv_c[t] |c0 c1 ... c31|c32 ... c63|   (L = 512: 2 per lane)
 //                                           l0 l1 ... l31 l0  ... l31
 //                                and k_pe pairs p = l, l + 32, ... (R = 64: one pair per lane).
-//                                RMSNorm: the row -> the warp's shared memory -> 16 partial sums of
-//                                squares in the CPU backend's order -> shuffles; the weight goes
+//                                RMSNorm: the squares' pairwise tree (chunks of 8 in registers,
+//                                then xor shuffles: the CPU backend's order); the weight goes
 //                                global -> shared by cp.async, in flight with the row loads.
 //                                fp8_ds_mla: the 16 lanes holding one 128-value tile reduce its
 //                                amax by xor shuffles.
@@ -44,7 +44,7 @@
 //   then prefill copy items    q[t, h, :P] -> q_prefill_out[t, h, :P], rows t >= Td, same mapping
 //                                (rows longer than an item are cut into segments).
 //
-// Shared memory: kStageBytes (8 KB) per warp, 32 KB a block: a K item's RMSNorm row and weight, or
+// Shared memory: kStageBytes (8 KB) per warp, 32 KB a block: a K item's RMSNorm weight, or
 // the chunks a rope / copy item stages. Each lane reads back only what it staged itself (after its
 // own cp.async.wait_all), so the stage needs no barrier. Without 16-byte access (kVec false) copy
 // items stage through registers instead of cp.async.
@@ -78,10 +78,9 @@ constexpr int kRopeSlots = 8;
 // Chunks a lane stages in its warp's kStageBytes (bf16 / fp16: 16, fp32: 8).
 template <typename T>
 constexpr int kStageSlots = kStageBytes / kWarpSize / static_cast<int>(sizeof(Chunk<T>));
-// The K item's RMSNorm row (kMaxLatent floats) and weight (kMaxLatent values, fp32 at the widest).
-constexpr int kStageWeightOffset = kMaxLatent * static_cast<int>(sizeof(float));
-static_assert(kStageBytes >= kStageWeightOffset + kMaxLatent * static_cast<int>(sizeof(float)),
-              "the K item's RMSNorm row and weight fit in the stage");
+// The K item's RMSNorm weight (kMaxLatent values, fp32 at the widest) at the start of the stage.
+static_assert(kStageBytes >= kMaxLatent * static_cast<int>(sizeof(float)),
+              "the K item's RMSNorm weight fits in the stage");
 
 namespace mla_detail {
 
@@ -97,8 +96,8 @@ __device__ __forceinline__ float pick(const float (&a)[kMaxRopePairsPerLane], in
 
 template <typename T, CacheFormat kFormat, bool kVec>
 __device__ __forceinline__ void k_side_item(const MlaRopeCacheKernelParams& p, int64_t t, int lane,
-                                            float* sq, T* w_smem, float cache_scale) {
-  // sq: per-warp scratch of kMaxLatent floats (the row, as T, for the RMSNorm sum).
+                                            T* w_smem, float cache_scale) {
+  // w_smem: the warp's stage, where the RMSNorm weight row lands.
   using Latent = typename CacheTraits<kFormat>::Latent;
   using RopeT = typename CacheTraits<kFormat>::Rope;
   const core::MlaRopeCacheArgs& a = p.args;
@@ -157,17 +156,16 @@ __device__ __forceinline__ void k_side_item(const MlaRopeCacheKernelParams& p, i
   // After the loads are in flight: the scale's divisor (fp8 caches; unused and dropped otherwise).
   const Divisor cache_div = make_divisor(cache_scale);
   if (has_norm) {
-    // The row is copied to shared memory as it is (the 16 partial sums read it across lanes); the
-    // float values are formed from the packed registers only where they are used, so no float copy
-    // of the row stays live across the reduction.
-    T* row = reinterpret_cast<T*>(sq);
+    // The pairwise tree of the row's squares (device_common.cuh): slot s holds chunks 32s ..
+    // 32s + 31, one subtree of 256 elements; chunks past the row enter as +0.
+    float part[kMaxLatentChunksPerLane];
 #pragma unroll
     for (int s = 0; s < kMaxLatentChunksPerLane; ++s) {
-      const int k = lane + kWarpSize * s;
-      if (k < cpr) *reinterpret_cast<Chunk<T>*>(row + k * kChunkElems) = x[s];
+      part[s] = lane + kWarpSize * s < cpr ? chunk_square_sum(x[s]) : 0.0f;
     }
-    const float acc = accumulate_squares(row, 0, L, 0.0f, lane);
-    const float inv_rms = num::rms_inv(combine_partial_sums(acc, lane), L, a.kv_norm_eps);
+#pragma unroll
+    for (int s = 0; s < kMaxLatentChunksPerLane; ++s) part[s] = warp_pairwise_sum(part[s]);
+    const float inv_rms = num::rms_inv(pairwise_sum(part), L, a.kv_norm_eps);
     if (kVec) cp_async_wait_all();  // this lane's own weight chunks have landed
 #pragma unroll
     for (int s = 0; s < kMaxLatentChunksPerLane; ++s) {
@@ -182,7 +180,6 @@ __device__ __forceinline__ void k_side_item(const MlaRopeCacheKernelParams& p, i
         }
       }
     }
-    __syncwarp();  // the row buffer is rewritten by the warp's next token only after every read
   }
   if (p.apply_rope) {
 #pragma unroll
@@ -579,8 +576,7 @@ static_assert(kMlaMinBlocks<num::Bf16, CacheFormat::kBFloat16, num::Bf16, true> 
 template <typename T, CacheFormat kFormat, typename QOut, bool kVec>
 __global__ void __launch_bounds__(kMlaThreads, (kMlaMinBlocks<T, kFormat, QOut, kVec>))
     mla_rope_cache_kernel(const __grid_constant__ MlaRopeCacheKernelParams p) {
-  // Each warp's stage: its K item's RMSNorm row (as floats) and weight, or the chunks of its rope
-  // or copy item.
+  // Each warp's stage: its K item's RMSNorm weight, or the chunks of its rope or copy item.
   __shared__ __align__(16) unsigned char stage_bytes[kMlaWarps][kStageBytes];
   prefetch_params(p, p.num_items <= 0);  // the launcher never launches an empty list
   pdl_wait();  // the parameter block is not an input: its reads may precede the wait
@@ -613,8 +609,7 @@ __global__ void __launch_bounds__(kMlaThreads, (kMlaMinBlocks<T, kFormat, QOut, 
   unsigned char* const my_stage = stage_bytes[warp];
   Chunk<T>* const stage = reinterpret_cast<Chunk<T>*>(my_stage);
   if (i < p.num_k_items) {
-    mla_detail::k_side_item<T, kFormat, kVec>(p, i, lane, reinterpret_cast<float*>(my_stage),
-                                              reinterpret_cast<T*>(my_stage + kStageWeightOffset),
+    mla_detail::k_side_item<T, kFormat, kVec>(p, i, lane, reinterpret_cast<T*>(my_stage),
                                               cache_scale);
     return;
   }

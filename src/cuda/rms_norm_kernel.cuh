@@ -2,10 +2,12 @@
 //
 // One warp per token t (block b's warp w: t = b * 4 + w). Lane l handles chunks k = l, l + 32, ...
 // (8 elements each) of the row:
-//   pass 1, per segment of 1024 elements: chunks -> the warp's shared buffer -> lanes
-//           0..15 add the squares of elements i = l, l + 16, ... into 16 partial sums (the CPU
-//           backend's order, so the result is bitwise equal to it and to the fused op's K side);
-//   combine the 16 sums pairwise by shuffles -> inv_rms = rms_inv(sum, N, eps);
+//   pass 1, per segment of 1024 elements (4 chunks a lane): each chunk's squares summed as a
+//           subtree (chunk_square_sum), the 32 chunks of a slot by xor shuffles
+//           (warp_pairwise_sum), the segment's 4 slots pairwise, the segments merged in row order
+//           (PairwiseMerger): the pairwise tree over the row, the library's one order, so the
+//           result is bitwise equal to the CPU backend and to the fused op's K side;
+//   inv_rms = rms_inv(sum, N, eps);
 //   pass 2: each lane re-reads its own chunks, applies (x * inv_rms) * w, rounds once, stores.
 // output may be input itself: a lane writes only chunks that it alone read, and all of pass 1 is
 // done (shuffles) before pass 2 writes.
@@ -33,7 +35,6 @@ __global__ void __launch_bounds__(kRmsThreads)
     rms_norm_kernel(const __grid_constant__ core::RmsNormArgs a) {
   pdl_wait();
   pdl_launch_dependents();
-  __shared__ __align__(16) T rows[kRmsWarps][kRmsSegment];
   const int lane = static_cast<int>(threadIdx.x) % kWarpSize;
   const int warp = static_cast<int>(threadIdx.x) / kWarpSize;
   const int64_t t = static_cast<int64_t>(blockIdx.x) * kRmsWarps + warp;
@@ -43,30 +44,29 @@ __global__ void __launch_bounds__(kRmsThreads)
   const T* in = static_cast<const T*>(a.input) + t * a.stride_input_token;
   const T* weight = static_cast<const T*>(a.weight);
   T* out = static_cast<T*>(a.output) + t * a.stride_output_token;
-  T* row = rows[warp];
 
-  float acc = 0.0f;
+  // Segments of 1024 elements are whole subtrees of the row's tree (a short last one padded with
+  // +0); 32 pending subtrees cover 2^32 segments.
+  PairwiseMerger<32> merger;
   for (int64_t seg = 0; seg < N; seg += kRmsSegment) {
     const int64_t chunk0 = seg / kChunkElems;
-    Chunk<T> x[kRmsSlots];
+    float part[kRmsSlots];
 #pragma unroll
     for (int s = 0; s < kRmsSlots; ++s) {
       const int64_t k = chunk0 + lane + kWarpSize * s;
+      float v = 0.0f;
       if (k < num_chunks) {
         const int64_t e0 = k * kChunkElems;
         const int n = N - e0 < kChunkElems ? static_cast<int>(N - e0) : kChunkElems;
-        x[s] = load_chunk<kVec>(in + e0, n);
+        v = chunk_square_sum(load_chunk<kVec>(in + e0, n));  // missing elements: +0
       }
+      part[s] = v;
     }
 #pragma unroll
-    for (int s = 0; s < kRmsSlots; ++s) {
-      const int64_t k = chunk0 + lane + kWarpSize * s;
-      if (k < num_chunks) *reinterpret_cast<Chunk<T>*>(row + (k - chunk0) * kChunkElems) = x[s];
-    }
-    const int64_t seg_end = seg + kRmsSegment < N ? seg + kRmsSegment : N;
-    acc = accumulate_squares(row, seg, seg_end, acc, lane);
+    for (int s = 0; s < kRmsSlots; ++s) part[s] = warp_pairwise_sum(part[s]);
+    merger.add(pairwise_sum(part));
   }
-  const float inv_rms = num::rms_inv(combine_partial_sums(acc, lane), N, a.eps);
+  const float inv_rms = num::rms_inv(merger.total(), N, a.eps);
 
   for (int64_t k0 = 0; k0 < num_chunks; k0 += kWarpSize * kRmsSlots) {
     Chunk<T> x[kRmsSlots];

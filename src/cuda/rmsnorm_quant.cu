@@ -17,7 +17,9 @@ namespace cuda {
 namespace {
 
 // The exact-fit kernel for task 0's rows of N0 (and task 1's of N1 > 0, the dual form; its rows
-// always one chunk a thread), in the thread form its block count asks for (rmsnorm_quant.h).
+// always one chunk a thread), in the thread form the block counts ask for (rmsnorm_quant.h): the
+// one-chunk form by the whole grid (`total`, both tasks' blocks: its wide blocks must all be
+// resident at once), the two-chunk form by task 0's.
 template <typename T, int kN0, int kN1>
 void launch_rows(const RmsNormQuantKernelParams& params, int64_t num_blocks0, int64_t total,
                  int64_t max_norm_hidden, const Launch& launch) {
@@ -29,7 +31,7 @@ void launch_rows(const RmsNormQuantKernelParams& params, int64_t num_blocks0, in
   constexpr int kTwo1 = kN1 > 0 ? kN1 / kChunkElems : kTwoChunks;
   constexpr int kFew1 = kN1 > 0 ? kN1 / kChunkElems : kFew;
   if constexpr (kOneChunk > kFew) {
-    if (num_blocks0 <= kRmsqOneChunkMaxBlocks) {
+    if (total <= kRmsqOneChunkMaxBlocks) {
       launch_rmsnorm_quant_rows_kernel<T, kN0, kN1, kOneChunk, kOne1>(params, total,
                                                                       max_norm_hidden, launch);
       return;

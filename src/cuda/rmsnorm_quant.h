@@ -23,11 +23,15 @@ constexpr int kRmsqMaxChunksPerThread = 4;
 template <typename T>
 constexpr bool kRmsqStagesWeight = sizeof(T) == 2;
 
-// Dynamic shared memory of a block whose widest normalizing row has N elements: the row's fp32
-// squares, then the staged weight.
+// The most 256-element subtrees of a row's sum of squares (kMaxRmsNormQuantHidden / 256): the
+// generic kernel's shared array of their sums.
+constexpr int kRmsqMaxSubtrees = kRmsqMaxThreads * kRmsqMaxChunksPerThread / 32;
+
+// Dynamic shared memory of a block (either kernel) whose widest normalizing row has N elements:
+// the staged weight (16-bit rows).
 template <typename T>
 constexpr size_t rmsq_smem_bytes(int64_t N) {
-  return static_cast<size_t>(N) * (sizeof(float) + (kRmsqStagesWeight<T> ? sizeof(T) : 0));
+  return static_cast<size_t>(N) * (kRmsqStagesWeight<T> ? sizeof(T) : 0);
 }
 
 // Threads of a block whose widest row has max_chunks chunks: at most kRmsqMaxChunksPerThread
@@ -45,37 +49,32 @@ constexpr int64_t rmsq_threads_for(int64_t max_chunks) {
 // taking kRmsqRowsPerBlock rows of one task.
 constexpr int kRmsqRowsPerBlock = 2;
 
-// The exact-fit kernel's thread forms, by task 0's block count (q_c's, in the dual form, whose
-// kv_c blocks always run one chunk a thread on their first N1 / 8 threads): up to
-// kRmsqOneChunkMaxBlocks (T0 <= 1536) one chunk a thread (N0 / 8 threads), up to
-// kRmsqTwoChunksMaxBlocks (T0 <= 4096) two (N0 / 16, where that is more than rmsq_rows_threads),
-// above rmsq_rows_threads's few threads of up to 4 chunks. A small grid's time is one block's
-// chain of dependent instructions, which a wider block shortens; a large grid's is its memory
-// traffic, moved with fewer instructions by fewer threads. On the H200 (q_c, N = 1536): T = 1
-// 2.8 -> 2.2 us, T = 1024 5.3 -> 4.8 us, T = 2048 7.2 -> 6.9 us, T = 16384 unchanged (docs/
-// perf-notes.md, seventh session).
+// The exact-fit kernel's thread forms (the dual form's kv_c blocks always run one chunk a thread
+// on their first N1 / 8 threads): while the whole grid has at most kRmsqOneChunkMaxBlocks blocks
+// (q_c alone: T <= 1536), one chunk a thread (N0 / 8 threads); else while task 0 (q_c) has at most
+// kRmsqTwoChunksMaxBlocks (T0 <= 4096), two (N0 / 16, where that is more than
+// rmsq_rows_threads); above, rmsq_rows_threads's few threads of up to 4 chunks. A small grid's
+// time is one block's chain of dependent instructions, which a wider block shortens, as long as
+// the grid's blocks are all resident at once; a large grid's is its memory traffic, moved with
+// fewer instructions by fewer threads. The one-chunk limit counts both tasks' blocks: the dual
+// form at T = 1024 (1024 blocks of 192 threads, 7 resident a multiprocessor) ran 5.8 us in the
+// one-chunk form, 5.35 us in the two-chunk one. On the H200 (q_c, N = 1536, docs/perf-notes.md,
+// seventh and eighth sessions): T = 1 2.8 -> 2.2 us, T = 1024 5.3 -> 4.8 us, T = 2048
+// 7.2 -> 6.9 us with the forms, T = 16384 unchanged.
 constexpr int64_t kRmsqOneChunkMaxBlocks = 768;
 constexpr int64_t kRmsqTwoChunksMaxBlocks = 2048;
 constexpr int rmsq_rows_threads(int N0, int N1) {
   return static_cast<int>(rmsq_threads_for((N0 > N1 ? N0 : N1) / 8));
 }
 
-// Dynamic shared memory of the exact-fit kernel: the squares of its two rows, each row's followed
-// by 16 unused floats (so that the two rows' ordered sums, run by the two half-warps of warp 0,
-// read different banks), then the staged weight.
-template <typename T>
-constexpr size_t rmsq_rows_smem_bytes(int64_t N) {
-  return N == 0 ? 0
-                : static_cast<size_t>(kRmsqRowsPerBlock * (N + 16)) * sizeof(float) +
-                      static_cast<size_t>(N) * (kRmsqStagesWeight<T> ? sizeof(T) : 0);
-}
-
+// The two block counts come first: with them, task 0's num_tokens, input and stride_input_token
+// lie in the parameter block's first 64-byte line, all that a block reads before its first loads.
 struct RmsNormQuantKernelParams {
-  core::RmsNormQuantTask tasks[2];  // validated; tasks[1] unused unless the dual form
-  int64_t num_rows_first = 0;       // blocks [0, num_rows_first) take tasks[0], the rest tasks[1]
+  int64_t num_rows_first = 0;  // blocks [0, num_rows_first) take tasks[0], the rest tasks[1]
   // Exact-fit kernel: blocks [0, num_blocks_first) take rows (2b, 2b + 1) of tasks[0], the rest
   // those of tasks[1].
   int64_t num_blocks_first = 0;
+  core::RmsNormQuantTask tasks[2];  // validated; tasks[1] unused unless the dual form
 };
 
 // One block per row of either task; `threads` a multiple of 32 that covers the widest row in

@@ -23,10 +23,12 @@
 //      rows, and for 16-bit rows the weight chunks copied into shared memory by cp.async, which
 //      holds no registers), so that a row waits for one memory round trip before its sum;
 //      b: with a residual, s = round(x + residual) is stored back into the residual; with a
-//      weight, the squares s*s go to shared memory sq[N];
-//   2. warp 0 (ordered_sum_of_squares): lane k < 16 sums sq[k], sq[k + 16], ... in order (16 reads
-//      issued ahead of their adds), then the 16 partial sums are combined pairwise: exactly the
-//      CPU backend's order, so CPU and CUDA agree bit for bit; lane 0 stores rms_inv;
+//      weight, the sum of each chunk's squares (the pairwise tree's 8-element subtree,
+//      device_common.cuh chunk_square_sum);
+//   2. the rest of the pairwise tree, the CPU backend's order, so CPU and CUDA agree bit for bit:
+//      chunk i of a warp's 32 lanes is one 256-element subtree (xor shuffles), stored in
+//      s_part in row order; after one barrier every warp adds up the row's subtrees and every
+//      thread computes rms_inv;
 //   3. y = round((s * inv) * w) per chunk (w from shared memory, or for fp32 rows 16-byte
 //      read-only loads), the normalized row streamed out (normed_out), the group amax reduced
 //      over the group's lanes by five xor shuffles (offsets outside the group masked to 0),
@@ -39,8 +41,8 @@
 // one. normed_out may be the input itself: every element is read (phase 1a) before it is written
 // (phase 3) by the same thread.
 //
-// Shared memory (normalizing tasks): [N] fp32 squares, then for 16-bit rows [N] T the weight
-// (rmsq_smem_bytes, rmsnorm_quant.h).
+// Shared memory (normalizing tasks): the subtree sums (s_part, static), and for 16-bit rows [N] T
+// the weight (dynamic: rmsq_smem_bytes, rmsnorm_quant.h).
 //
 // Numerics: src/common/numerics.h for the arithmetic (mul_rn, add_rn, rms_inv, rms_apply,
 // group_scale); the roundings use the hardware conversions, which are round-to-nearest-even like
@@ -66,10 +68,11 @@
 // joins them.
 //   1. a: every load of both rows at once (x; the residual of bf16 rows; the weight chunks by
 //      cp.async into shared memory); b: the residual sum, stored back; the elements kept as
-//      floats in registers; their squares to shared memory, row r at sq + r * (N + 16) (the 16
-//      put the second row's reads 16 banks away);
-//   2. warp 0 sums both rows (ordered_sums_of_two_rows: lanes 0-15 row t0, lanes 16-31 row
-//      t0 + 1, each half-warp in the CPU backend's order), lanes 0 and 16 store rms_inv;
+//      floats in registers;
+//   2. both rows' pairwise trees as in the generic kernel, their shuffles interleaved: the
+//      kN / 256 subtree sums of each row to shared memory, one barrier, then every thread adds
+//      them up and computes both rms_inv (a short chain: 3 levels in a chunk, 5 shuffles,
+//      log2(kN / 256) adds);
 //   3. per chunk i: y = round((s * inv) * w) of both rows (one weight chunk), normed_out, then
 //      for bf16 quantize_two_bf16_chunks: the amax of both rows from packed bf16x2 magnitudes in
 //      one word and one set of five xor shuffles, the scales, and the e4m3 bytes by the
@@ -212,32 +215,6 @@ __device__ __forceinline__ float chunk_amax(const Bits<T>& y) {
 }
 
 // ---- the kernel ------------------------------------------------------------------------------
-// Sum of the squares in sq[0, N) (sq[i] = square of element i) in the CPU backend's order:
-// partial sum k < 16 adds sq[k], sq[k + 16], ... one after the other, then the 16 partial sums
-// are combined pairwise. Lanes >= 16 of the warp only join the combination. Sixteen reads are
-// issued ahead of their (ordered) additions; N / 16 is a multiple of 16 for every DeepSeek row
-// (1536, 512, 7168), so the one-at-a-time tail is rare. The result is valid in lane 0.
-__device__ __forceinline__ float ordered_sum_of_squares(const float* sq, int N, int lane) {
-  float acc = 0.0f;
-  if (lane < kSumLanes) {
-    constexpr int kAhead = 16;
-    const int n = (N + kSumLanes - 1 - lane) / kSumLanes;  // elements of partial sum `lane`
-    const float* p = sq + lane;
-    int j = 0;
-#pragma unroll 1
-    for (; j + kAhead <= n; j += kAhead, p += kAhead * kSumLanes) {
-      float v[kAhead];
-#pragma unroll
-      for (int k = 0; k < kAhead; ++k) v[k] = p[k * kSumLanes];
-#pragma unroll
-      for (int k = 0; k < kAhead; ++k) acc = num::add_rn(acc, v[k]);
-    }
-#pragma unroll 1
-    for (; j < n; ++j, p += kSumLanes) acc = num::add_rn(acc, *p);
-  }
-  return combine_partial_sums(acc, lane);
-}
-
 // The e4m3 bytes of a chunk as two words: the fused kernel's quantization (device_common.cuh
 // encode_chunk: the bits of num::quantize, one range test per chunk on its fast path), for bf16
 // straight from the chunk's word.
@@ -258,8 +235,9 @@ __device__ __forceinline__ uint2 encode_e4m3(const Bits<T>& y, float scale) {
 // Max over the lanes of an aligned group of 2^k lanes (device_common.cuh group_max) without
 // branches or predicates: level l shuffles with the xor offset (16 >> l) & (lanes_per_group - 1),
 // which is 0 (the lane's own value, a no-op for max) for the levels wider than the group, so the
-// five levels are two instructions each. The inputs are >= +0 and never NaN, so fmaxf is
-// `other > v ? other : v`, and the result is order-free.
+// five levels are two instructions each (skipping the no-op levels by a uniform branch measured
+// slower on the H200: q_c T = 1024 4.36 -> 4.43 us). The inputs are >= +0 and never NaN, so
+// fmaxf is `other > v ? other : v`, and the result is order-free.
 __device__ __forceinline__ float group_max_xor(float v, const int (&offsets)[5]) {
 #pragma unroll
   for (int l = 0; l < 5; ++l) v = fmaxf(v, __shfl_xor_sync(kFullMask, v, offsets[l]));
@@ -292,11 +270,10 @@ __device__ __forceinline__ QuantGroups quant_groups(const core::RmsNormQuantTask
 template <typename T>
 __global__ void __launch_bounds__(kRmsqMaxThreads)
     rmsnorm_quant_kernel(const __grid_constant__ RmsNormQuantKernelParams params) {
-  // Normalizing tasks only: [N] fp32 squares of the row, then (16-bit rows) [N] T the weight;
-  // indexed in 16-byte units (2 a chunk of squares, 1 a chunk of 16-bit weights).
+  // Normalizing 16-bit rows only: [N] T the weight, indexed in chunks (16 bytes).
   extern __shared__ uint4 smem16[];
-  float* sq = reinterpret_cast<float*>(smem16);
-  __shared__ float s_inv;
+  // The row's 256-element subtree sums (its tree's level 8), in row order.
+  __shared__ float s_part[kRmsqMaxSubtrees];
   constexpr bool kWeightEarly = kRmsqStagesWeight<T>;
   constexpr bool kResidualEarly = std::is_same_v<T, num::Bf16>;
   pdl_wait();
@@ -321,7 +298,7 @@ __global__ void __launch_bounds__(kRmsqMaxThreads)
 
   const T* x = static_cast<const T*>(task.input) + t * task.stride_input_token + e0;
   const T* w = normalize ? static_cast<const T*>(task.weight) + e0 : nullptr;
-  const int w_staged = N / 4 + tid;  // kWeightEarly: chunk i at smem16[w_staged + i * threads]
+  const int w_staged = tid;  // kWeightEarly: chunk i at smem16[w_staged + i * threads]
   const unsigned w_staged_addr = static_cast<unsigned>(__cvta_generic_to_shared(smem16 + w_staged));
   T* residual = task.residual != nullptr
                     ? static_cast<T*>(task.residual) + t * task.stride_residual_token + e0
@@ -343,9 +320,12 @@ __global__ void __launch_bounds__(kRmsqMaxThreads)
       copy_chunk_async<T, /*kCached=*/true>(w_staged_addr + i * threads * 16u, w + i * step);
     }
   }
-  // Phase 1b: s = round(x + residual) stored back into the residual; squares to shared memory.
+  // Phase 1b: s = round(x + residual) stored back into the residual; the subtree sum of each
+  // chunk's squares (chunks past the row: +0).
+  float part[kRmsqMaxChunksPerThread];
 #pragma unroll
   for (int i = 0; i < kRmsqMaxChunksPerThread; ++i) {
+    part[i] = 0.0f;
     if (i * threads + tid >= num_chunks) continue;
     if (residual != nullptr) {
       if (!kResidualEarly) r[i] = load_bits(residual + i * step);
@@ -360,24 +340,31 @@ __global__ void __launch_bounds__(kRmsqMaxThreads)
     if (normalize) {
       float v[kChunkElems];
       unpack_chunk(s[i], v);
-#pragma unroll
-      for (int k = 0; k < kChunkElems; ++k) v[k] = num::mul_rn(v[k], v[k]);
-      float4* dst = reinterpret_cast<float4*>(sq + e0 + i * step);
-      dst[0] = make_float4(v[0], v[1], v[2], v[3]);
-      dst[1] = make_float4(v[4], v[5], v[6], v[7]);
+      part[i] = chunk_square_sum(v);
     }
   }
 
-  // Phase 2: the CPU backend's sum order (16 interleaved partial sums, then pairwise).
+  // Phase 2: the pairwise tree of the squares. Chunk i of warp w's lanes are the row's chunks
+  // 32 (i * warps + w) .. + 31, one 256-element subtree (s_part[i * warps + w]); every warp then
+  // combines the row's subtrees (at most 128, lane l taking 4l .. 4l + 3, +0 past the row).
   float inv = 1.0f;
   if (normalize) {
-    __syncthreads();
-    if (warp == 0) {
-      const float sum = ordered_sum_of_squares(sq, N, lane);
-      if (lane == 0) s_inv = num::rms_inv(sum, N, task.eps);
+    const int warps = threads / kWarpSize;
+    const int num_subtrees = (num_chunks + kWarpSize - 1) / kWarpSize;
+#pragma unroll
+    for (int i = 0; i < kRmsqMaxChunksPerThread; ++i) {
+      if (i * threads + warp * kWarpSize >= num_chunks) continue;  // warp-uniform
+      const float sum = warp_pairwise_sum(part[i]);
+      if (lane == 0) s_part[i * warps + warp] = sum;
     }
     __syncthreads();
-    inv = s_inv;
+    float leaves[kRmsqMaxSubtrees / kWarpSize];
+#pragma unroll
+    for (int j = 0; j < kRmsqMaxSubtrees / kWarpSize; ++j) {
+      const int b = lane * (kRmsqMaxSubtrees / kWarpSize) + j;
+      leaves[j] = b < num_subtrees ? s_part[b] : 0.0f;
+    }
+    inv = num::rms_inv(warp_pairwise_sum(pairwise_sum(leaves)), N, task.eps);
     // A thread reads back only the weight chunks it staged itself: no barrier needed.
     if (kWeightEarly) cp_async_wait_all();
   }
@@ -432,35 +419,6 @@ __global__ void __launch_bounds__(kRmsqMaxThreads)
 }
 
 // ---- the exact-fit kernel ---------------------------------------------------------------------
-// The ordered sums of two rows in one warp: lanes 0-15 sum row 0 (sq), lanes 16-31 row 1 (sq +
-// kRowStride), each half-warp in ordered_sum_of_squares's order (partial k of a row adds sq[k],
-// sq[k + 16], ... in order, then the 16 partials combine pairwise as combine_partial_sums does).
-// kN is a multiple of 256, so the reads go 16 ahead of the adds with no tail. The result is valid
-// in lanes 0 and 16.
-template <int kN, int kRowStride>
-__device__ __forceinline__ float ordered_sums_of_two_rows(const float* sq, int lane) {
-  constexpr int kAhead = 16;
-  constexpr int kPerLane = kN / kSumLanes;
-  static_assert(kPerLane % kAhead == 0, "rows of the exact-fit kernel are multiples of 256");
-  const int k = lane & (kSumLanes - 1);
-  const float* p = sq + (lane >= kSumLanes ? kRowStride : 0) + k;
-  float acc = 0.0f;
-#pragma unroll(kPerLane <= 128 ? kPerLane / kAhead : 1)
-  for (int j = 0; j < kPerLane; j += kAhead) {
-    float v[kAhead];
-#pragma unroll
-    for (int m = 0; m < kAhead; ++m) v[m] = p[(j + m) * kSumLanes];
-#pragma unroll
-    for (int m = 0; m < kAhead; ++m) acc = num::add_rn(acc, v[m]);
-  }
-#pragma unroll
-  for (int width = kSumLanes / 2; width > 0; width /= 2) {
-    const float other = __shfl_down_sync(kFullMask, acc, width, kSumLanes);
-    if (k < width) acc = num::add_rn(acc, other);
-  }
-  return acc;
-}
-
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
 __device__ __forceinline__ uint32_t bf16x2_max(uint32_t a, uint32_t b) {
   uint32_t r;
@@ -559,15 +517,42 @@ __device__ __forceinline__ void rows_barrier() {
 // thread), so no store needs a test. kNormalize: the task has a weight, kResidual: a residual,
 // kNormed: a normed_out (compile-time, so that no register moves merge the paths with and without
 // them).
-template <typename T, int kN, int kThreads, bool kNormalize, bool kResidual, bool kNormed>
-__device__ __forceinline__ void rmsq_two_rows(const core::RmsNormQuantTask& task, int64_t t0,
-                                              uint4* smem16, float* s_inv) {
-  constexpr int kRows = kRmsqRowsPerBlock;
-  constexpr int kChunks = kN / kChunkElems / kThreads;
+template <int kN, int kThreads>
+constexpr int kRowsChunks = kN / kChunkElems / kThreads;  // chunks of a row a thread holds
+
+// Phase 1a's first loads: both rows' x chunks (row r of a per-token tensor starts at row 0's
+// pointer + r * stride; for a missing second row the stride is 0: it reads row 0 again and stores
+// nothing). They need only the input's fields, so rmsq_two_rows_of issues them before it reads
+// the fields that choose the variant (the parameter block's next line).
+template <typename T, int kN, int kThreads>
+__device__ __forceinline__ void load_two_rows(
+    const core::RmsNormQuantTask& task, int64_t t0,
+    Bits<T> (&s)[kRmsqRowsPerBlock][kRowsChunks<kN, kThreads>]) {
+  constexpr int kChunks = kRowsChunks<kN, kThreads>;
   static_assert(kChunks * kChunkElems * kThreads == kN && kChunks <= kRmsqMaxChunksPerThread,
                 "an exact fit");
+  constexpr int kStep = kThreads * kChunkElems;
+  const int e0 = static_cast<int>(threadIdx.x) * kChunkElems;
+  const T* x = static_cast<const T*>(task.input) + t0 * task.stride_input_token + e0;
+  const int64_t dx = t0 + 1 < task.num_tokens ? task.stride_input_token : 0;
+#pragma unroll
+  for (int i = 0; i < kChunks; ++i) {
+#pragma unroll
+    for (int row = 0; row < kRmsqRowsPerBlock; ++row)
+      s[row][i] = load_bits(x + row * dx + i * kStep);
+  }
+}
+
+// s: the rows' x chunks (load_two_rows), replaced by the residual sums.
+template <typename T, int kN, int kThreads, bool kNormalize, bool kResidual, bool kNormed>
+__device__ __forceinline__ void rmsq_two_rows(
+    const core::RmsNormQuantTask& task, int64_t t0,
+    Bits<T> (&s)[kRmsqRowsPerBlock][kRowsChunks<kN, kThreads>], uint4* smem16, float* s_part) {
+  constexpr int kRows = kRmsqRowsPerBlock;
+  constexpr int kChunks = kRowsChunks<kN, kThreads>;
   constexpr int kStep = kThreads * kChunkElems;  // elements from one chunk of a thread to the next
-  constexpr int kSqRowStride = kN + kSumLanes;   // floats; the 16 extra shift row 1 by 16 banks
+  constexpr int kWarps = kThreads / kWarpSize;
+  constexpr int kSubtrees = kN / (kWarpSize * kChunkElems);  // 256-element subtrees of a row
   constexpr bool kWeightEarly = kRmsqStagesWeight<T>;
   constexpr bool kResidualEarly = std::is_same_v<T, num::Bf16>;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
@@ -578,29 +563,20 @@ __device__ __forceinline__ void rmsq_two_rows(const core::RmsNormQuantTask& task
   const bool has_b = t0 + 1 < task.num_tokens;
   const int tid = static_cast<int>(threadIdx.x);
   const int lane = tid % kWarpSize;
+  const int warp = tid / kWarpSize;
   const int e0 = tid * kChunkElems;
-  float* sq = reinterpret_cast<float*>(smem16);
 
-  // Row r of a per-token tensor starts at row 0's pointer + r * stride; for a missing second row
-  // the stride is 0 (it reads row 0 again and stores nothing).
-  const T* x = static_cast<const T*>(task.input) + t0 * task.stride_input_token + e0;
-  const int64_t dx = has_b ? task.stride_input_token : 0;
+  // Row r of a per-token tensor starts at row 0's pointer + r * stride (0 for a missing second
+  // row, as in load_two_rows).
   const T* w = kNormalize ? static_cast<const T*>(task.weight) + e0 : nullptr;
-  constexpr int kWeightStaged = kRows * kSqRowStride / 4;  // chunk c at smem16[kWeightStaged + c]
-  const unsigned w_staged_addr =
-      static_cast<unsigned>(__cvta_generic_to_shared(smem16 + kWeightStaged + tid));
+  // kWeightEarly: weight chunk c at smem16[c].
+  const unsigned w_staged_addr = static_cast<unsigned>(__cvta_generic_to_shared(smem16 + tid));
   T* residual =
       kResidual ? static_cast<T*>(task.residual) + t0 * task.stride_residual_token + e0 : nullptr;
   const int64_t dres = has_b ? task.stride_residual_token : 0;
 
-  // Phase 1a: every load of both rows at once.
-  Bits<T> s[kRows][kChunks];
+  // Phase 1a: every other load of both rows at once (x's are in flight: load_two_rows).
   Bits<T> r[kRows][kChunks];
-#pragma unroll
-  for (int i = 0; i < kChunks; ++i) {
-#pragma unroll
-    for (int row = 0; row < kRows; ++row) s[row][i] = load_bits(x + row * dx + i * kStep);
-  }
   if (kResidualEarly && kResidual) {
 #pragma unroll
     for (int i = 0; i < kChunks; ++i) {
@@ -639,28 +615,43 @@ __device__ __forceinline__ void rmsq_two_rows(const core::RmsNormQuantTask& task
   float sf[kRows][kChunks][kChunkElems];
   float inv[kRows] = {1.0f, 1.0f};
   if constexpr (kNormalize) {
+    // Phase 2: the pairwise tree of each row's squares. Chunk i of warp w's lanes are the row's
+    // chunks 32 (i * kWarps + w) .. + 31: one 256-element subtree, whose sum lane 0 stores at
+    // s_part[row * kSubtrees + i * kWarps + w]; after the barrier every thread adds up the row's
+    // kSubtrees (no second barrier: each thread computes rms_inv itself).
+    float part[kRows][kChunks];
 #pragma unroll
     for (int i = 0; i < kChunks; ++i) {
 #pragma unroll
       for (int row = 0; row < kRows; ++row) {
-        float v[kChunkElems];
         unpack_chunk(s[row][i], sf[row][i]);
-#pragma unroll
-        for (int k = 0; k < kChunkElems; ++k) v[k] = num::mul_rn(sf[row][i][k], sf[row][i][k]);
-        float4* dst = reinterpret_cast<float4*>(sq + row * kSqRowStride + e0 + i * kStep);
-        dst[0] = make_float4(v[0], v[1], v[2], v[3]);
-        dst[1] = make_float4(v[4], v[5], v[6], v[7]);
+        part[row][i] = chunk_square_sum(sf[row][i]);
       }
     }
-    // Phase 2: warp 0 runs both rows' ordered sums, one per half-warp.
-    rows_barrier<kThreads>();
-    if (tid < kWarpSize) {
-      const float sum = ordered_sums_of_two_rows<kN, kSqRowStride>(sq, lane);
-      if ((lane & (kSumLanes - 1)) == 0) s_inv[lane / kSumLanes] = num::rms_inv(sum, kN, task.eps);
+#pragma unroll
+    for (int i = 0; i < kChunks; ++i) {
+#pragma unroll
+      for (int row = 0; row < kRows; ++row) part[row][i] = warp_pairwise_sum(part[row][i]);
+    }
+    if (lane == 0) {
+#pragma unroll
+      for (int i = 0; i < kChunks; ++i) {
+#pragma unroll
+        for (int row = 0; row < kRows; ++row)
+          s_part[row * kSubtrees + i * kWarps + warp] = part[row][i];
+      }
     }
     rows_barrier<kThreads>();
+    // Even lanes compute row 0's rms_inv, odd lanes row 1's (one division-and-root chain a lane
+    // instead of two in turn), then each lane takes both from its pair.
+    const int my_row = lane & 1;
+    float subtrees[kSubtrees];
 #pragma unroll
-    for (int row = 0; row < kRows; ++row) inv[row] = s_inv[row];
+    for (int j = 0; j < kSubtrees; ++j) subtrees[j] = s_part[my_row * kSubtrees + j];
+    const float my_inv = num::rms_inv(pairwise_sum(subtrees), kN, task.eps);
+    static_assert(kRows == 2, "one row per lane of a pair");
+    inv[0] = __shfl_sync(kFullMask, my_inv, lane & ~1);
+    inv[1] = __shfl_sync(kFullMask, my_inv, lane | 1);
     if (kWeightEarly) cp_async_wait_all();  // this thread's own weight chunks
   }
 
@@ -685,7 +676,7 @@ __device__ __forceinline__ void rmsq_two_rows(const core::RmsNormQuantTask& task
     if constexpr (kNormalize) {
       Bits<T> wk;
       if constexpr (kWeightEarly) {
-        wk.w[0] = smem16[kWeightStaged + tid + i * kThreads];
+        wk.w[0] = smem16[tid + i * kThreads];
       } else {
         wk = load_bits_ro(w + i * kStep);
       }
@@ -733,21 +724,23 @@ __device__ __forceinline__ void rmsq_two_rows(const core::RmsNormQuantTask& task
 // (per_token_group_quant_fp8).
 template <typename T, int kN, int kThreads>
 __device__ __forceinline__ void rmsq_two_rows_of(const core::RmsNormQuantTask& task, int64_t t0,
-                                                 uint4* smem16, float* s_inv) {
+                                                 uint4* smem16, float* s_part) {
+  Bits<T> s[kRmsqRowsPerBlock][kRowsChunks<kN, kThreads>];
+  load_two_rows<T, kN, kThreads>(task, t0, s);
   const bool residual = task.residual != nullptr;
   const bool normed = task.normed_out != nullptr;
   if (task.weight == nullptr) {
-    rmsq_two_rows<T, kN, kThreads, false, false, false>(task, t0, smem16, s_inv);
+    rmsq_two_rows<T, kN, kThreads, false, false, false>(task, t0, s, smem16, s_part);
   } else if (residual) {
     if (normed) {
-      rmsq_two_rows<T, kN, kThreads, true, true, true>(task, t0, smem16, s_inv);
+      rmsq_two_rows<T, kN, kThreads, true, true, true>(task, t0, s, smem16, s_part);
     } else {
-      rmsq_two_rows<T, kN, kThreads, true, true, false>(task, t0, smem16, s_inv);
+      rmsq_two_rows<T, kN, kThreads, true, true, false>(task, t0, s, smem16, s_part);
     }
   } else if (normed) {
-    rmsq_two_rows<T, kN, kThreads, true, false, true>(task, t0, smem16, s_inv);
+    rmsq_two_rows<T, kN, kThreads, true, false, true>(task, t0, s, smem16, s_part);
   } else {
-    rmsq_two_rows<T, kN, kThreads, true, false, false>(task, t0, smem16, s_inv);
+    rmsq_two_rows<T, kN, kThreads, true, false, false>(task, t0, s, smem16, s_part);
   }
 }
 
@@ -760,16 +753,17 @@ __global__ void __launch_bounds__(kThreads0)
   static_assert(kThreads1 <= kThreads0, "the block has kThreads0 threads");
   static_assert(kThreads0 % kWarpSize == 0 && kThreads1 % kWarpSize == 0, "whole warps");
   extern __shared__ uint4 smem16[];
-  __shared__ float s_inv[kRmsqRowsPerBlock];
+  static_assert(kN1 <= kN0, "task 0 has the wider rows");
+  __shared__ float s_part[kRmsqRowsPerBlock * kN0 / (kWarpSize * kChunkElems)];
   pdl_wait();
   pdl_launch_dependents();
   const int64_t block = static_cast<int64_t>(blockIdx.x);
   if (kN1 > 0 && block >= params.num_blocks_first) {
     if (kThreads1 < kThreads0 && threadIdx.x >= kThreads1) return;
     rmsq_two_rows_of<T, (kN1 > 0 ? kN1 : kN0), kThreads1>(
-        params.tasks[1], kRmsqRowsPerBlock * (block - params.num_blocks_first), smem16, s_inv);
+        params.tasks[1], kRmsqRowsPerBlock * (block - params.num_blocks_first), smem16, s_part);
   } else {
-    rmsq_two_rows_of<T, kN0, kThreads0>(params.tasks[0], kRmsqRowsPerBlock * block, smem16, s_inv);
+    rmsq_two_rows_of<T, kN0, kThreads0>(params.tasks[0], kRmsqRowsPerBlock * block, smem16, s_part);
   }
 }
 
@@ -789,7 +783,7 @@ void launch_rmsnorm_quant_kernel(const RmsNormQuantKernelParams& params, int64_t
 template <typename T, int kN0, int kN1, int kThreads0, int kThreads1>
 void launch_rmsnorm_quant_rows_kernel(const RmsNormQuantKernelParams& params, int64_t num_blocks,
                                       int64_t max_norm_hidden, const Launch& launch) {
-  const size_t smem_bytes = rmsq_rows_smem_bytes<T>(max_norm_hidden);
+  const size_t smem_bytes = rmsq_smem_bytes<T>(max_norm_hidden);
   launch_kernel("rmsnorm_quant_rows_kernel",
                 rmsq::rmsnorm_quant_rows_kernel<T, kN0, kN1, kThreads0, kThreads1>,
                 static_cast<unsigned>(num_blocks), static_cast<unsigned>(kThreads0), smem_bytes,

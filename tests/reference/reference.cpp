@@ -250,6 +250,22 @@ std::vector<float> rms_normalize(const std::vector<float>& x, const TensorView& 
   return out;
 }
 
+// fp32 sum of the squares of x[lo, lo + size), size a power of two, as the complete binary tree
+// over the index (rmsnorm_quant's documented order): the left half's sum plus the right half's.
+// Indices past the row are +0 leaves, which leave every sum unchanged.
+float tree_sum_squares(const std::vector<float>& x, size_t lo, size_t size) {
+  if (lo >= x.size()) return 0.0f;
+  if (size == 1) return x[lo] * x[lo];
+  const size_t half = size / 2;
+  return tree_sum_squares(x, lo, half) + tree_sum_squares(x, lo + half, half);
+}
+
+float tree_sum_squares(const std::vector<float>& x) {
+  size_t size = 1;
+  while (size < x.size()) size *= 2;
+  return tree_sum_squares(x, 0, size);
+}
+
 // ---- the cache ---------------------------------------------------------------------------------
 bool is_ds_mla(const KVCacheView& c) { return c.format == CacheFormat::kFloat8DsMla; }
 
@@ -566,12 +582,7 @@ void rmsnorm_quant(const RmsNormQuantParams& p) {
       for (int64_t i = 0; i < N; ++i) s[i] = round_to(s[i] + r[i], model);
       store_row(p.residual, t, 0, 0, s);
     }
-    float partial[16] = {};
-    for (int64_t i = 0; i < N; ++i) partial[i % 16] += s[i] * s[i];
-    for (int width = 8; width > 0; width /= 2) {
-      for (int k = 0; k < width; ++k) partial[k] += partial[k + width];
-    }
-    const float inv = 1.0f / std::sqrt(partial[0] / static_cast<float>(N) + p.eps);
+    const float inv = 1.0f / std::sqrt(tree_sum_squares(s) / static_cast<float>(N) + p.eps);
     std::vector<float> y(static_cast<size_t>(N));
     for (int64_t i = 0; i < N; ++i) {
       y[i] = round_to((s[i] * inv) * load_value(at(p.weight, i), p.weight.dtype), model);

@@ -43,10 +43,10 @@ void rotary_embedding(const RotaryEmbeddingParams& params, int32_t* error_counts
 void concat_and_cache_mla(const ConcatAndCacheMlaParams& params, int32_t* error_counts = nullptr);
 void decode_q_concat(const DecodeQConcatParams& params);
 void rms_norm(const RmsNormParams& params);
-// rmsnorm_quant sums the squares in its documented order (docs/rmsnorm_quant.md: 16 interleaved
-// partial sums in element order, combined pairwise), not sequentially as rms_norm above: its bytes
-// are compared exactly. Without quant.values it only normalizes into normed_out (the kv_c half of
-// mla_rmsnorm_quant).
+// rmsnorm_quant sums the squares in its documented order (docs/rmsnorm_quant.md: the pairwise tree
+// over the element index, the row padded with +0 to a power of two), not sequentially as rms_norm
+// above: its bytes are compared exactly. Without quant.values it only normalizes into normed_out
+// (the kv_c half of mla_rmsnorm_quant).
 void rmsnorm_quant(const RmsNormQuantParams& params);
 void gather_cache_slots(const GatherCacheSlotsParams& params, int32_t* error_counts = nullptr);
 void gather_cache_sequences(const GatherCacheSequencesParams& params,
