@@ -24,8 +24,9 @@
 #                    rmsnorm_quant kernels
 #   CMAKE_ARGS       more configure arguments, e.g. '-DMLAKV_CUDA_GENCODE=-gencode=arch=compute_90a,code=sm_90a'
 #                    (Hopper code only, no PTX: a faster build for a short verification run)
-#   WERROR           ON to build with -DMLAKV_WERROR=ON (default OFF: a ptxas spill warning must
-#                    not cost a whole GPU run; the summary counts warnings instead)
+#   WERROR           ON to build with -DMLAKV_WERROR=ON (default OFF: a new compiler warning must
+#                    not cost a whole GPU run; the summary counts warnings instead; ptxas's spill
+#                    reports stay warnings either way)
 #   PREBUILT         a folder holding `mlakv` and `mlakv_tests` built elsewhere from this tree (a
 #                    CUDA build on a machine without a GPU saves the GPU machine's build minutes),
 #                    plus any shared library they need that the GPU machine lacks (libgomp.so.1):

@@ -159,7 +159,7 @@ void check_division(const std::vector<float>& a, const std::vector<float>& b, co
   TEST_CUDA_OK(cudaMemcpy(da.ptr, a.data(), a.size() * 4, cudaMemcpyHostToDevice));
   TEST_CUDA_OK(cudaMemcpy(db.ptr, b.data(), b.size() * 4, cudaMemcpyHostToDevice));
   const int threads = 256;
-  divide_kernel<<<static_cast<unsigned>((n + threads - 1) / threads), threads>>>(
+  divide_kernel<<<static_cast<unsigned>((n + threads - 1) / threads), threads, 0, cudaStream_t{}>>>(
       da.ptr, db.ptr, n, fast.ptr, ieee.ptr);
   TEST_CUDA_OK(cudaGetLastError());
   std::vector<uint32_t> hf(a.size()), hi(a.size());
@@ -221,7 +221,8 @@ TEST(CudaNumerics, FastDivMatchesDivision) {
   TEST_CUDA_OK(cudaMalloc(&d_out, sizeof(uint32_t) * count));
   TEST_CUDA_OK(cudaMemcpy(d_divs, divs.data(), sizeof(FastDiv) * count, cudaMemcpyHostToDevice));
   TEST_CUDA_OK(cudaMemcpy(d_n, n.data(), sizeof(uint32_t) * count, cudaMemcpyHostToDevice));
-  fast_div_kernel<<<static_cast<unsigned>((count + 255) / 256), 256>>>(d_divs, d_n, count, d_out);
+  fast_div_kernel<<<static_cast<unsigned>((count + 255) / 256), 256, 0, cudaStream_t{}>>>(
+      d_divs, d_n, count, d_out);
   TEST_CUDA_OK(cudaGetLastError());
   std::vector<uint32_t> got(n.size());
   TEST_CUDA_OK(cudaMemcpy(got.data(), d_out, sizeof(uint32_t) * count, cudaMemcpyDeviceToHost));
@@ -304,7 +305,8 @@ void check_fp8_conversion(const char* what) {
   TEST_CUDA_OK(cudaMemcpy(dx.ptr, x.data(), x.size() * 4, cudaMemcpyHostToDevice));
   const int threads = 256;
   fp8_kernel<Fp8>
-      <<<static_cast<unsigned>((n / 2 + threads - 1) / threads), threads>>>(dx.ptr, n, dout.ptr);
+      <<<static_cast<unsigned>((n / 2 + threads - 1) / threads), threads, 0, cudaStream_t{}>>>(
+          dx.ptr, n, dout.ptr);
   TEST_CUDA_OK(cudaGetLastError());
   std::vector<uint8_t> out(x.size());
   TEST_CUDA_OK(cudaMemcpy(out.data(), dout.ptr, x.size(), cudaMemcpyDeviceToHost));
@@ -346,8 +348,9 @@ void check_encode_chunk(const char* what) {
   TEST_CUDA_OK(cudaMemcpy(dx.ptr, x.data(), x.size() * sizeof(num::Bf16), cudaMemcpyHostToDevice));
   for (const float scale : {1.0f, 0.037f, 448.0f, -2.5f, 0x1p-70f, 0x1p61f, 1e-40f}) {
     const int threads = 256;
-    encode_chunk_kernel<Fp8><<<static_cast<unsigned>((chunks + threads - 1) / threads), threads>>>(
-        dx.ptr, chunks, scale, dout.ptr);
+    encode_chunk_kernel<Fp8>
+        <<<static_cast<unsigned>((chunks + threads - 1) / threads), threads, 0, cudaStream_t{}>>>(
+            dx.ptr, chunks, scale, dout.ptr);
     TEST_CUDA_OK(cudaGetLastError());
     std::vector<uint8_t> out(x.size());
     TEST_CUDA_OK(cudaMemcpy(out.data(), dout.ptr, out.size(), cudaMemcpyDeviceToHost));
@@ -389,7 +392,8 @@ void check_hardware_rounding(const char* what) {
   DeviceArray<uint32_t> first(4);
   ASSERT_TRUE(bad.ptr && first.ptr);
   TEST_CUDA_OK(cudaMemset(bad.ptr, 0, sizeof(unsigned long long)));
-  hardware_rounding_kernel<T><<<4096, 256>>>(0, uint64_t{1} << 32, bad.ptr, first.ptr);
+  hardware_rounding_kernel<T>
+      <<<4096, 256, 0, cudaStream_t{}>>>(0, uint64_t{1} << 32, bad.ptr, first.ptr);
   TEST_CUDA_OK(cudaGetLastError());
   unsigned long long count = 0;
   uint32_t firsts[4] = {};
@@ -443,8 +447,9 @@ void check_rotate_chunk(const char* what) {
   TEST_CUDA_OK(cudaMemcpy(dcs.ptr, cs.data(), cs.size() * sizeof(float), cudaMemcpyHostToDevice));
   TEST_CUDA_OK(cudaMemcpy(dsn.ptr, sn.data(), sn.size() * sizeof(float), cudaMemcpyHostToDevice));
   const int threads = 256;
-  rotate_chunk_kernel<T><<<static_cast<unsigned>((chunks + threads - 1) / threads), threads>>>(
-      dx.ptr, dcs.ptr, dsn.ptr, chunks, dout.ptr);
+  rotate_chunk_kernel<T>
+      <<<static_cast<unsigned>((chunks + threads - 1) / threads), threads, 0, cudaStream_t{}>>>(
+          dx.ptr, dcs.ptr, dsn.ptr, chunks, dout.ptr);
   TEST_CUDA_OK(cudaGetLastError());
   std::vector<T> out(x.size());
   TEST_CUDA_OK(cudaMemcpy(out.data(), dout.ptr, out.size() * sizeof(T), cudaMemcpyDeviceToHost));

@@ -306,22 +306,6 @@ TEST(FastDiv, EqualsDivisionBelow2To31) {
 }
 
 // ---- RMSNorm's sum of squares ------------------------------------------------------------------
-// The library's one order (docs/rmsnorm_quant.md), written here as its definition: the complete
-// binary tree over [lo, lo + size), size a power of two, split at the midpoint; leaves past the
-// row are +0.
-float tree_sum(const std::vector<float>& squares, size_t lo, size_t size) {
-  if (lo >= squares.size()) return 0.0f;
-  if (size == 1) return squares[lo];
-  const size_t half = size / 2;
-  return tree_sum(squares, lo, half) + tree_sum(squares, lo + half, half);
-}
-
-float tree_sum(const std::vector<float>& squares) {
-  size_t size = 1;
-  while (size < squares.size()) size *= 2;
-  return tree_sum(squares, 0, size);
-}
-
 // The library's previous order: 16 interleaved partial sums, then partial[k] += partial[k + w].
 float sixteen_partials_sum(const std::vector<float>& squares) {
   float partial[16] = {};
@@ -392,7 +376,7 @@ void expect_tree_order(const char* dtype, int min_exp, int max_exp) {
       for (size_t i = 0; i < r.values.size(); ++i) {
         ASSERT_EQ(num::to_float(r.stored[i]), r.values[i]) << dtype << " element " << i;
       }
-      const float expected = tree_sum(r.squares);
+      const float expected = ref::tree_sum_squares(r.values);
       const float got = cpu::detail::sum_squares(r.stored.data(), n);
       ASSERT_EQ(float_to_bits(got), float_to_bits(expected))
           << dtype << " n " << n << " trial " << trial << ": sum_squares " << got << ", tree "

@@ -515,7 +515,10 @@ TEST_P(RmsNormQuantTest, GroupSizesPow2AndFloat32) {
 TEST_P(RmsNormQuantTest, ExactFitAndGenericWidths) {
   uint64_t seed = 1100;
   for (DType dt : {DType::kBFloat16, DType::kFloat16, DType::kFloat32}) {
-    for (int64_t N : {512, 768, 1024, 2048, 2560, 4096, 5120, 8192}) {
+    for (int64_t N : {512, 768, 1024, 2048, 2560, 4096, 5120, 8192, 32768}) {
+      // 32768, the widest row (kMaxRmsNormQuantHidden): 1024 threads of 4 chunks on CUDA, all 128
+      // subtrees of the sum, and for 16-bit rows a 64 KB staged weight (past the default 48 KB).
+      if (N == 32768 && dt == DType::kFloat32) continue;
       // N = 1024 also at T = 3001 (1501 blocks): the exact-fit kernel's 64-thread form, T = 5
       // its one-chunk form (see "groups" below for N = 1536).
       for (int64_t T : {int64_t{5}, int64_t{3001}}) {
@@ -535,7 +538,7 @@ TEST_P(RmsNormQuantTest, ExactFitAndGenericWidths) {
     }
   }
   // Every group size on the exact-fit kernel's widest row, in each of its CUDA thread forms (by
-  // q_c's blocks of two rows, rmsnorm_quant.h): T = 5 one chunk a thread, T = 3001 two (96
+  // grid's blocks of two rows, rmsnorm_quant.h): T = 5 one chunk a thread, T = 3001 two (96
   // threads: a thread's scales are 96 / lanes-per-group groups apart), T = 4501 three (a group is
   // 2 to 32 lanes, and a thread's chunks lie in different groups).
   for (DType dt : {DType::kBFloat16, DType::kFloat16}) {
@@ -885,9 +888,9 @@ TEST_P(RmsNormQuantTest, FusedEqualsUnfused) {
 
 // ---- the dual form -----------------------------------------------------------------------------
 
-// T = 1601: the grid (801 blocks of q_c, 801 of kv_c) is over kRmsqOneChunkMaxBlocks, the CUDA
-// exact-fit kernel's two-chunk thread form (96 threads, the kv_c blocks on the first 64); below,
-// its one-chunk form (192).
+// T = 1601: the grid (801 blocks of q_c, 801 of kv_c) is over the one-chunk form's limits
+// (DualFormTokenCounts), the CUDA exact-fit kernel's two-chunk thread form (96 threads, the kv_c
+// blocks on the first 64); below, its one-chunk form (192).
 TEST_P(RmsNormQuantTest, DualForm) {
   uint64_t seed = 800;
   for (DType dt : {DType::kBFloat16, DType::kFloat16}) {
@@ -917,13 +920,14 @@ TEST_P(RmsNormQuantTest, DualForm) {
 
 // Different token counts for the two tasks (one may be 0): the CUDA exact-fit kernel's blocks
 // take two rows of one task each, ceil(T_q / 2) blocks of q_c first; its thread form is one chunk
-// a thread while the whole grid has at most kRmsqOneChunkMaxBlocks = 768 blocks ({3, 1201}: 603,
-// {768, 768}: 768), else two while q_c has at most 2048 ({770, 768}: 769 in all, {1601, 3},
-// {3, 1601}: many kv_c blocks), else three ({4097, 3}).
+// a thread while the whole grid has at most kRmsqOneChunkMaxBlocks = 768 blocks, for 16-bit rows
+// at most 8 a multiprocessor (1056 on an H200: {3, 1201} 603 blocks, {768, 768} 768, {770, 768}
+// 769, {1601, 3} and {3, 1601} 803, {2101, 3} 1053 in one chunk for 16-bit rows, in two for
+// fp32), else two while q_c has at most 2048 ({2201, 3}: 1103), else three ({4097, 3}).
 TEST_P(RmsNormQuantTest, DualFormTokenCounts) {
   uint64_t seed = 1300;
-  const int64_t counts[][2] = {{5, 3},    {0, 4},    {3, 0},    {2, 7},     {1601, 3},
-                               {4097, 3}, {3, 1601}, {3, 1201}, {768, 768}, {770, 768}};
+  const int64_t counts[][2] = {{5, 3},    {0, 4},    {3, 0},     {2, 7},     {1601, 3}, {4097, 3},
+                               {3, 1601}, {3, 1201}, {768, 768}, {770, 768}, {2101, 3}, {2201, 3}};
   for (DType dt : {DType::kBFloat16, DType::kFloat16, DType::kFloat32}) {
     for (const auto& tc : counts) {
       Case qc;

@@ -283,12 +283,44 @@ TEST_P(RmsNorm, MatchesReferenceWithinOneUlp) {
   EXPECT_TRUE(buffer_unchanged(*weight.buffer, "weight"));
 }
 
+// A GPU backend sums the squares in the CPU backend's order (the pairwise tree, numerics.h), so
+// their outputs are equal byte for byte, for every row width: chunks cut short (N = 7, 1000,
+// 3001), several 1024-element segments merged (3001, 7168, 9000), every dtype.
+TEST_P(RmsNorm, EqualsTheCpuBackendBitwise) {
+  const Device dev = std::get<0>(GetParam()).device;
+  if (dev.type == DeviceType::kCPU) GTEST_SKIP() << "compares a GPU backend with the CPU";
+  const RmsCase& c = std::get<1>(GetParam());
+  const int64_t T = 21;
+  Tensor outputs[2];
+  const Device devices[2] = {dev, Device{}};
+  for (int k = 0; k < 2; ++k) {
+    std::mt19937_64 rng(c.N + 7);
+    Tensor input = random_tensor(devices[k], c.model, {T, c.N}, rng, 3.0f);
+    Tensor weight = random_tensor(devices[k], c.model, {c.N}, rng, 1.5f);
+    outputs[k] = c.in_place ? input : poisoned_tensor(devices[k], c.model, {T, c.N});
+    upload_all({&input, &weight, &outputs[k]});
+    RmsNormParams p;
+    p.num_tokens = T;
+    p.input = input.device_view();
+    p.weight = weight.device_view();
+    p.eps = 1e-6f;
+    p.output = outputs[k].device_view();
+    rms_norm(p);
+  }
+  EXPECT_TRUE(bytes_equal(outputs[0].buffer->download(), outputs[1].buffer->download(),
+                          c.name + ": against the CPU backend"));
+}
+
 std::vector<RmsCase> rms_cases() {
   return {{"bf16_512", DType::kBFloat16, 512, false},
           {"bf16_512_in_place", DType::kBFloat16, 512, true},
           {"fp16_256", DType::kFloat16, 256, false},
           {"fp32_1024", DType::kFloat32, 1024, false},
-          {"bf16_7168", DType::kBFloat16, 7168, false}};
+          {"bf16_7168", DType::kBFloat16, 7168, false},
+          {"bf16_7", DType::kBFloat16, 7, false},
+          {"fp16_1000", DType::kFloat16, 1000, false},
+          {"fp32_3001", DType::kFloat32, 3001, false},
+          {"bf16_9000", DType::kBFloat16, 9000, false}};
 }
 
 // ---- fused == unfused --------------------------------------------------------------------------

@@ -244,6 +244,63 @@ MLAKV_HD void rope_rotate(float x, float y, float c, float s, float& x_out, floa
 // rotates by cos/sin column p in both.
 
 // ---- RMSNorm -------------------------------------------------------------------------------
+// The fp32 sum of squares in the library's one order, the pairwise tree over the element index
+// (docs/rmsnorm_quant.md): the squares are the leaves, each level adds elements 2j and 2j + 1 into
+// element j of the next and carries an odd level's last element up unchanged, until one is left.
+// That is the complete tree over the row padded with +0 to a power of two (a square is >= +0 or
+// NaN, so adding +0 changes nothing): any aligned run of 2^k elements is one subtree, and
+// elements past the row may enter as +0. Both backends build it from these two pieces (the CPU in
+// cpu_common.h sum_squares; CUDA in device_common.cuh, with xor shuffles for the levels between a
+// chunk and 256 elements).
+
+// The subtree of a chunk of 8 elements: ((q0 + q1) + (q2 + q3)) + ((q4 + q5) + (q6 + q7)),
+// q_k = x_k * x_k.
+MLAKV_HD float chunk_square_sum(const float (&x)[8]) {
+  const float q01 = add_rn(mul_rn(x[0], x[0]), mul_rn(x[1], x[1]));
+  const float q23 = add_rn(mul_rn(x[2], x[2]), mul_rn(x[3], x[3]));
+  const float q45 = add_rn(mul_rn(x[4], x[4]), mul_rn(x[5], x[5]));
+  const float q67 = add_rn(mul_rn(x[6], x[6]), mul_rn(x[7], x[7]));
+  return add_rn(add_rn(q01, q23), add_rn(q45, q67));
+}
+
+// The tree over subtrees of equal size arriving left to right (a row's chunks or segments), as a
+// binary counter: pending[k] holds a subtree of 2^k arrivals while bit k of `count` is set; add()
+// merges the carries (pending[k] + v for each trailing 1 bit) and stores at the first clear bit;
+// total() adds the pending subtrees, smallest first, each to the one on its left (the padded
+// tree's right edge, + 0 at the start). Every index is a loop counter (unrolled on the GPU: the
+// array stays in registers). 32 levels: 2^32 arrivals.
+struct PairwiseMerger {
+  static constexpr int kLevels = 32;
+  float pending[kLevels] = {};
+  uint32_t count = 0;
+  MLAKV_HD void add(float v) {
+    bool carry = true;
+#if defined(__CUDACC__)
+#pragma unroll
+#endif
+    for (int k = 0; k < kLevels; ++k) {
+      const bool set = ((count >> k) & 1u) != 0;
+      if (carry && set) v = add_rn(pending[k], v);
+      if (carry && !set) pending[k] = v;
+      carry = carry && set;
+#if !defined(__CUDA_ARCH__)
+      if (!carry) break;  // the host leaves early; the GPU keeps every index a constant
+#endif
+    }
+    ++count;
+  }
+  MLAKV_HD float total() const {
+    float acc = 0.0f;
+#if defined(__CUDACC__)
+#pragma unroll
+#endif
+    for (int k = 0; k < kLevels; ++k) {
+      if (((count >> k) & 1u) != 0) acc = add_rn(pending[k], acc);
+    }
+    return acc;
+  }
+};
+
 // inv_rms from the fp32 sum of squares over N values: 1 / sqrt(sum / N + eps), IEEE ops.
 MLAKV_HD float rms_inv(float sum_squares, int64_t N, float eps) {
   const float mean = div_rn(sum_squares, static_cast<float>(N));

@@ -451,38 +451,19 @@ __attribute__((flatten)) inline void rope_quantize_row(const T* __restrict src, 
 }
 
 // fp32 sum of squares in the library's one order, the pairwise tree over the element index
-// (docs/rmsnorm_quant.md): the squares are the tree's leaves, each level adds elements 2j and
-// 2j + 1 into element j of the next and carries an odd level's last element up unchanged, until
-// one is left. (That is the complete tree over the row padded with +0 to a power of two: a square
-// is >= +0 or NaN, so adding +0 changes nothing.) The fixed order makes rms_norm, rmsnorm_quant
-// and the fused op agree bitwise on every backend; the CUDA kernels form the same tree from
-// chunks of 8 and warps of 32 chunks (device_common.cuh, pairwise sums).
-//
-// Here: the tree of each chunk of 8 leaves (a short last chunk padded with +0), then the chunk
-// sums merged as a binary counter merges carries: after chunk c, one merge for each trailing 1
-// bit of c (the subtrees of equal size to its left); at the end the pending subtrees, smallest
-// first, each added to the one on its left.
+// (numerics.h, RMSNorm): the tree of each chunk of 8 elements (a short last chunk padded with +0),
+// the chunks merged by num::PairwiseMerger. The fixed order makes rms_norm, rmsnorm_quant and the
+// fused op agree bitwise on every backend.
 template <typename T>
 inline float sum_squares(const T* x, int64_t n) {
   constexpr int kChunk = 8;
-  float pending[64];  // subtree sums of decreasing size, one per 1 bit of the chunk count
-  int depth = 0;
-  for (int64_t c = 0; c * kChunk < n; ++c) {
-    float q[kChunk];
-    const int64_t e0 = c * kChunk;
-    for (int k = 0; k < kChunk; ++k) {
-      const float v = e0 + k < n ? num::to_float(x[e0 + k]) : 0.0f;
-      q[k] = num::mul_rn(v, v);
-    }
-    float v = num::add_rn(num::add_rn(num::add_rn(q[0], q[1]), num::add_rn(q[2], q[3])),
-                          num::add_rn(num::add_rn(q[4], q[5]), num::add_rn(q[6], q[7])));
-    for (int64_t carry = c; (carry & 1) != 0; carry >>= 1) v = num::add_rn(pending[--depth], v);
-    pending[depth++] = v;
+  num::PairwiseMerger merger;
+  for (int64_t e0 = 0; e0 < n; e0 += kChunk) {
+    float v[kChunk];
+    for (int k = 0; k < kChunk; ++k) v[k] = e0 + k < n ? num::to_float(x[e0 + k]) : 0.0f;
+    merger.add(num::chunk_square_sum(v));
   }
-  if (depth == 0) return 0.0f;
-  float acc = pending[--depth];
-  while (depth > 0) acc = num::add_rn(pending[--depth], acc);
-  return acc;
+  return merger.total();
 }
 
 // out[i] = from_float<T>(rms_apply(x[i], inv_rms, w[i])); out may be x itself.

@@ -93,7 +93,7 @@ void launch_kernel(const char* name, void (*kernel)(Params...), unsigned grid, u
   // A block may use 48 KB of shared memory, static and dynamic together, unless its kernel opts in
   // to more. The kernels that ask for dynamic shared memory (rmsnorm_quant's two) have under 1 KB
   // of static shared memory, so only a dynamic size within 1 KB of the limit needs the kernel's
-  // attributes read (a row of 8192 bf16 elements in rmsnorm_quant_kernel asks for exactly 48 KB).
+  // attributes read (rmsnorm_quant's dynamic memory is a 16-bit weight row: 48 KB at N = 24576).
   // A kernel with more static shared memory that also asks for dynamic memory must raise
   // kStaticSmemBound.
   constexpr size_t kDefaultSmemLimit = 48 * 1024;
@@ -112,6 +112,9 @@ void launch_kernel(const char* name, void (*kernel)(Params...), unsigned grid, u
                cudaGetErrorString(err));
   }
 }
+
+// Multiprocessors of the current device, cached per device (launchers size grids by it).
+int multiprocessor_count();
 
 inline bool aligned_to(const void* ptr, int64_t alignment) {
   return reinterpret_cast<uintptr_t>(ptr) % static_cast<uintptr_t>(alignment) == 0;

@@ -528,28 +528,17 @@ __device__ __forceinline__ float group_max(float v, int width) {
 }
 
 // ---- RMSNorm's sum of squares: the pairwise tree over the element index ----------------------
-// The library's one order (cpu_common.h detail::sum_squares, docs/rmsnorm_quant.md): each level
-// of the tree adds elements 2j and 2j + 1, an odd level's last element moves up unchanged; that
-// is the complete tree over the row padded with +0 to a power of two, so any aligned run of 2^k
-// elements is one subtree, and elements past the row may enter as +0 (a square is >= +0 or NaN).
-// The kernels build it from the bottom: a chunk of 8 elements (chunk_square_sum), 32 chunks c0 ..
-// c0 + 31 (c0 a multiple of 32) held by lanes 0 .. 31 of a warp (warp_pairwise_sum), then the
-// run of such 256-element sums in row order (pairwise_sum).
+// The library's one order (numerics.h, RMSNorm). The kernels build it from the bottom: a chunk of
+// 8 elements in a lane's registers (num::chunk_square_sum), 32 chunks c0 .. c0 + 31 (c0 a
+// multiple of 32) held by lanes 0 .. 31 of a warp (warp_pairwise_sum), then the run of such
+// 256-element subtrees in row order (pairwise_sum, warp_slots_sum, num::PairwiseMerger).
 
-// The subtree of one chunk: ((q0 + q1) + (q2 + q3)) + ((q4 + q5) + (q6 + q7)), q_k = x_k * x_k.
-__device__ __forceinline__ float chunk_square_sum(const float (&x)[kChunkElems]) {
-  float q[kChunkElems];
-#pragma unroll
-  for (int k = 0; k < kChunkElems; ++k) q[k] = num::mul_rn(x[k], x[k]);
-  return num::add_rn(num::add_rn(num::add_rn(q[0], q[1]), num::add_rn(q[2], q[3])),
-                     num::add_rn(num::add_rn(q[4], q[5]), num::add_rn(q[6], q[7])));
-}
 template <typename T>
 __device__ __forceinline__ float chunk_square_sum(const Chunk<T>& c) {
   float x[kChunkElems];
 #pragma unroll
   for (int k = 0; k < kChunkElems; ++k) x[k] = num::to_float(c.v[k]);
-  return chunk_square_sum(x);
+  return num::chunk_square_sum(x);
 }
 
 // The subtree of the 32 chunks the warp's lanes hold (lane l: chunk c0 + l's sum), on every lane:
@@ -577,29 +566,14 @@ __device__ __forceinline__ float pairwise_sum(const float (&v)[kN]) {
   }
 }
 
-// Merges the sums of equal-size subtrees arriving left to right (a row's segments) into the tree
-// over all of them, as a binary counter merges carries: after subtree c, one merge for each
-// trailing 1 bit of c; total() then adds each pending subtree, smallest first, to the one on its
-// left (the padded tree's right edge). kDepth bounds log2 of the number of subtrees.
-template <int kDepth>
-struct PairwiseMerger {
-  float pending[kDepth];
-  int depth = 0;
-  int64_t count = 0;
-  __device__ __forceinline__ void add(float v) {
-    for (int64_t carry = count++; (carry & 1) != 0; carry >>= 1) {
-      v = num::add_rn(pending[--depth], v);
-    }
-    pending[depth++] = v;
-  }
-  __device__ __forceinline__ float total() const {
-    if (depth == 0) return 0.0f;
-    int d = depth;
-    float acc = pending[--d];
-    while (d > 0) acc = num::add_rn(pending[--d], acc);
-    return acc;
-  }
-};
+// A warp's run of kSlots 256-element subtrees: slot s of lane l holds the chunk sum of chunk
+// c0 + 32 s + l (+0 past the row). Returns the subtree of the whole run on every lane.
+template <int kSlots>
+__device__ __forceinline__ float warp_slots_sum(float (&part)[kSlots]) {
+#pragma unroll
+  for (int s = 0; s < kSlots; ++s) part[s] = warp_pairwise_sum(part[s]);
+  return pairwise_sum(part);
+}
 
 }  // namespace cuda
 }  // namespace mlakv

@@ -1,7 +1,6 @@
 // mlakv CUDA backend: launchers of the fused MLA RoPE + KV-cache op and of the two unfused
 // primitives that run through the same kernel (concat_and_cache_mla, decode_q_concat).
 #include <algorithm>
-#include <atomic>
 #include <type_traits>
 
 #include "core/backend.h"
@@ -24,19 +23,8 @@ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 int64_t stage_slots(int64_t elem_bytes) { return kStageBytes / (32 * 8 * elem_bytes); }
 
 // Warps of the fused kernel resident on the current device at once (kMlaResidentWarpsPerSm on each
-// multiprocessor), the multiprocessor count cached per device.
-int64_t resident_warps() {
-  constexpr int kMaxDevices = 64;
-  static std::atomic<int> sm_counts[kMaxDevices];
-  int device = 0;
-  MLAKV_CUDA_CHECK(cudaGetDevice(&device));
-  int sms = device < kMaxDevices ? sm_counts[device].load(std::memory_order_relaxed) : 0;
-  if (sms == 0) {
-    MLAKV_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-    if (device < kMaxDevices) sm_counts[device].store(sms, std::memory_order_relaxed);
-  }
-  return int64_t{sms} * kMlaResidentWarpsPerSm;
-}
+// multiprocessor).
+int64_t resident_warps() { return int64_t{multiprocessor_count()} * kMlaResidentWarpsPerSm; }
 
 // Slots per lane for a list of `chunks` chunks: items as large as the stage allows (`most`), but
 // small enough that the list first fills half a wave of resident warps (a latency-bound launch is

@@ -15,8 +15,8 @@ namespace mlakv {
 namespace cuda {
 
 // Shared memory each warp of the fused kernel stages its item's inputs in (cp.async): the K item's
-// RMSNorm row and weight (L <= 1024 floats + L model-dtype values), or up to kStageBytes of the
-// rows a rope or copy item moves, in flight at once without holding registers.
+// RMSNorm weight (L <= 1024 model-dtype values), or up to kStageBytes of the rows a rope or copy
+// item moves, in flight at once without holding registers.
 constexpr int kStageBytes = 8192;
 // Warps of the kernel resident on one multiprocessor (6 blocks of 4 warps: the register cap of the
 // 16-bit vector instances, and 6 x 32 KB of shared memory).

@@ -163,9 +163,7 @@ __device__ __forceinline__ void k_side_item(const MlaRopeCacheKernelParams& p, i
     for (int s = 0; s < kMaxLatentChunksPerLane; ++s) {
       part[s] = lane + kWarpSize * s < cpr ? chunk_square_sum(x[s]) : 0.0f;
     }
-#pragma unroll
-    for (int s = 0; s < kMaxLatentChunksPerLane; ++s) part[s] = warp_pairwise_sum(part[s]);
-    const float inv_rms = num::rms_inv(pairwise_sum(part), L, a.kv_norm_eps);
+    const float inv_rms = num::rms_inv(warp_slots_sum(part), L, a.kv_norm_eps);
     if (kVec) cp_async_wait_all();  // this lane's own weight chunks have landed
 #pragma unroll
     for (int s = 0; s < kMaxLatentChunksPerLane; ++s) {

@@ -5,7 +5,7 @@
 //   pass 1, per segment of 1024 elements (4 chunks a lane): each chunk's squares summed as a
 //           subtree (chunk_square_sum), the 32 chunks of a slot by xor shuffles
 //           (warp_pairwise_sum), the segment's 4 slots pairwise, the segments merged in row order
-//           (PairwiseMerger): the pairwise tree over the row, the library's one order, so the
+//           (num::PairwiseMerger): the pairwise tree over the row, the library's one order, so the
 //           result is bitwise equal to the CPU backend and to the fused op's K side;
 //   inv_rms = rms_inv(sum, N, eps);
 //   pass 2: each lane re-reads its own chunks, applies (x * inv_rms) * w, rounds once, stores.
@@ -46,8 +46,8 @@ __global__ void __launch_bounds__(kRmsThreads)
   T* out = static_cast<T*>(a.output) + t * a.stride_output_token;
 
   // Segments of 1024 elements are whole subtrees of the row's tree (a short last one padded with
-  // +0); 32 pending subtrees cover 2^32 segments.
-  PairwiseMerger<32> merger;
+  // +0), merged in row order.
+  num::PairwiseMerger merger;
   for (int64_t seg = 0; seg < N; seg += kRmsSegment) {
     const int64_t chunk0 = seg / kChunkElems;
     float part[kRmsSlots];
@@ -62,9 +62,7 @@ __global__ void __launch_bounds__(kRmsThreads)
       }
       part[s] = v;
     }
-#pragma unroll
-    for (int s = 0; s < kRmsSlots; ++s) part[s] = warp_pairwise_sum(part[s]);
-    merger.add(pairwise_sum(part));
+    merger.add(warp_slots_sum(part));
   }
   const float inv_rms = num::rms_inv(merger.total(), N, a.eps);
 

@@ -31,7 +31,12 @@ void launch_rows(const RmsNormQuantKernelParams& params, int64_t num_blocks0, in
   constexpr int kTwo1 = kN1 > 0 ? kN1 / kChunkElems : kTwoChunks;
   constexpr int kFew1 = kN1 > 0 ? kN1 / kChunkElems : kFew;
   if constexpr (kOneChunk > kFew) {
-    if (total <= kRmsqOneChunkMaxBlocks) {
+    const int64_t one_chunk_max =
+        kN1 > 0 && kRmsqDualOneChunkBounded<T>
+            ? std::max<int64_t>(kRmsqOneChunkMaxBlocks,
+                                int64_t{kRmsqDualOneChunkBlocksPerSm} * multiprocessor_count())
+            : kRmsqOneChunkMaxBlocks;
+    if (total <= one_chunk_max) {
       launch_rmsnorm_quant_rows_kernel<T, kN0, kN1, kOneChunk, kOne1>(params, total,
                                                                       max_norm_hidden, launch);
       return;

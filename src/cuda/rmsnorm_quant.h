@@ -51,17 +51,25 @@ constexpr int kRmsqRowsPerBlock = 2;
 
 // The exact-fit kernel's thread forms (the dual form's kv_c blocks always run one chunk a thread
 // on their first N1 / 8 threads): while the whole grid has at most kRmsqOneChunkMaxBlocks blocks
-// (q_c alone: T <= 1536), one chunk a thread (N0 / 8 threads); else while task 0 (q_c) has at most
-// kRmsqTwoChunksMaxBlocks (T0 <= 4096), two (N0 / 16, where that is more than
-// rmsq_rows_threads); above, rmsq_rows_threads's few threads of up to 4 chunks. A small grid's
-// time is one block's chain of dependent instructions, which a wider block shortens, as long as
-// the grid's blocks are all resident at once; a large grid's is its memory traffic, moved with
-// fewer instructions by fewer threads. The one-chunk limit counts both tasks' blocks: the dual
-// form at T = 1024 (1024 blocks of 192 threads, 7 resident a multiprocessor) ran 5.8 us in the
-// one-chunk form, 5.35 us in the two-chunk one. On the H200 (q_c, N = 1536, docs/perf-notes.md,
-// seventh and eighth sessions): T = 1 2.8 -> 2.2 us, T = 1024 5.3 -> 4.8 us, T = 2048
-// 7.2 -> 6.9 us with the forms, T = 16384 unchanged.
+// (q_c alone: T <= 1536; the 16-bit dual form: see below), one chunk a thread (N0 / 8 threads);
+// else while task 0 (q_c) has at most kRmsqTwoChunksMaxBlocks (T0 <= 4096), two (N0 / 16, where
+// that is more than rmsq_rows_threads); above, rmsq_rows_threads's few threads of up to 4
+// chunks. A small grid's time is one block's chain of dependent instructions, which a wider block
+// shortens, as long as the grid's blocks are all resident at once; a large grid's is its memory
+// traffic, moved with fewer instructions by fewer threads. On the H200 (q_c, N = 1536, docs/
+// perf-notes.md, seventh and eighth sessions): T = 1 2.8 -> 2.2 us, T = 1024 5.3 -> 4.8 us,
+// T = 2048 7.2 -> 6.9 us with the forms, T = 16384 unchanged.
 constexpr int64_t kRmsqOneChunkMaxBlocks = 768;
+// The dual form's one-chunk instance for 16-bit rows is compiled for this many resident blocks a
+// multiprocessor (rmsnorm_quant_rows_kernel_bounded: at most 40 registers for 192 threads; fp32
+// rows would spill) and takes grids of up to that many blocks a multiprocessor, past
+// kRmsqOneChunkMaxBlocks: its kv_c blocks are light (64 active threads), so what counts is that
+// the whole grid is one wave. At T = 1024 (1024 blocks; 7 resident a multiprocessor at the
+// unbounded 47 registers, 8 at 40) the H200 ran it in 5.8 us unbounded, 4.9 bounded, and 5.2 in
+// the two-chunk form.
+constexpr int kRmsqDualOneChunkBlocksPerSm = 8;
+template <typename T>
+constexpr bool kRmsqDualOneChunkBounded = sizeof(T) == 2;
 constexpr int64_t kRmsqTwoChunksMaxBlocks = 2048;
 constexpr int rmsq_rows_threads(int N0, int N1) {
   return static_cast<int>(rmsq_threads_for((N0 > N1 ? N0 : N1) / 8));

@@ -24,7 +24,7 @@
 //      holds no registers), so that a row waits for one memory round trip before its sum;
 //      b: with a residual, s = round(x + residual) is stored back into the residual; with a
 //      weight, the sum of each chunk's squares (the pairwise tree's 8-element subtree,
-//      device_common.cuh chunk_square_sum);
+//      num::chunk_square_sum);
 //   2. the rest of the pairwise tree, the CPU backend's order, so CPU and CUDA agree bit for bit:
 //      chunk i of a warp's 32 lanes is one 256-element subtree (xor shuffles), stored in
 //      s_part in row order; after one barrier every warp adds up the row's subtrees and every
@@ -340,7 +340,7 @@ __global__ void __launch_bounds__(kRmsqMaxThreads)
     if (normalize) {
       float v[kChunkElems];
       unpack_chunk(s[i], v);
-      part[i] = chunk_square_sum(v);
+      part[i] = num::chunk_square_sum(v);
     }
   }
 
@@ -511,12 +511,6 @@ __device__ __forceinline__ void rows_barrier() {
   asm volatile("bar.sync 1, %0;" ::"n"(kThreads) : "memory");
 }
 
-// Rows t0 and t0 + 1 of one task whose rows are kN wide, on the block's first kThreads threads
-// (kChunks chunks a thread). Without a row t0 + 1 (t0 = T - 1) the second row is the first again:
-// the same loads, the same values, stored to the same places (after every load, by the same
-// thread), so no store needs a test. kNormalize: the task has a weight, kResidual: a residual,
-// kNormed: a normed_out (compile-time, so that no register moves merge the paths with and without
-// them).
 template <int kN, int kThreads>
 constexpr int kRowsChunks = kN / kChunkElems / kThreads;  // chunks of a row a thread holds
 
@@ -543,6 +537,12 @@ __device__ __forceinline__ void load_two_rows(
   }
 }
 
+// Rows t0 and t0 + 1 of one task whose rows are kN wide, on the block's first kThreads threads
+// (kChunks chunks a thread). Without a row t0 + 1 (t0 = T - 1) the second row is the first again:
+// the same loads, the same values, stored to the same places (after every load, by the same
+// thread), so no store needs a test. kNormalize: the task has a weight, kResidual: a residual,
+// kNormed: a normed_out (compile-time, so that no register moves merge the paths with and without
+// them).
 // s: the rows' x chunks (load_two_rows), replaced by the residual sums.
 template <typename T, int kN, int kThreads, bool kNormalize, bool kResidual, bool kNormed>
 __device__ __forceinline__ void rmsq_two_rows(
@@ -590,8 +590,8 @@ __device__ __forceinline__ void rmsq_two_rows(
     for (int i = 0; i < kChunks; ++i)
       copy_chunk_async<T, /*kCached=*/true>(w_staged_addr + i * kThreads * 16u, w + i * kStep);
   }
-  // Phase 1b: s = round(x + residual) stored back into the residual; the squares to shared
-  // memory; the elements of s kept as floats for phase 3.
+  // Phase 1b: s = round(x + residual) stored back into the residual; the elements of s kept as
+  // floats for phases 2 and 3.
   if (kResidual) {
 #pragma unroll
     for (int i = 0; i < kChunks; ++i) {
@@ -625,7 +625,7 @@ __device__ __forceinline__ void rmsq_two_rows(
 #pragma unroll
       for (int row = 0; row < kRows; ++row) {
         unpack_chunk(s[row][i], sf[row][i]);
-        part[row][i] = chunk_square_sum(sf[row][i]);
+        part[row][i] = num::chunk_square_sum(sf[row][i]);
       }
     }
 #pragma unroll
@@ -748,8 +748,7 @@ __device__ __forceinline__ void rmsq_two_rows_of(const core::RmsNormQuantTask& t
 // 0 (rows kN0 wide) on kThreads0 threads, the rest (kN1 > 0: the dual form) rows of task 1 (kN1
 // wide) on kThreads1 <= kThreads0 threads (the block's others return at once).
 template <typename T, int kN0, int kN1, int kThreads0, int kThreads1>
-__global__ void __launch_bounds__(kThreads0)
-    rmsnorm_quant_rows_kernel(const __grid_constant__ RmsNormQuantKernelParams params) {
+__device__ __forceinline__ void rmsnorm_quant_rows(const RmsNormQuantKernelParams& params) {
   static_assert(kThreads1 <= kThreads0, "the block has kThreads0 threads");
   static_assert(kThreads0 % kWarpSize == 0 && kThreads1 % kWarpSize == 0, "whole warps");
   extern __shared__ uint4 smem16[];
@@ -767,13 +766,29 @@ __global__ void __launch_bounds__(kThreads0)
   }
 }
 
+template <typename T, int kN0, int kN1, int kThreads0, int kThreads1>
+__global__ void __launch_bounds__(kThreads0)
+    rmsnorm_quant_rows_kernel(const __grid_constant__ RmsNormQuantKernelParams params) {
+  rmsnorm_quant_rows<T, kN0, kN1, kThreads0, kThreads1>(params);
+}
+
+// The same for a register cap of kRmsqDualOneChunkBlocksPerSm resident blocks (the dual form's
+// one-chunk instance, rmsnorm_quant.h). A separate kernel: a minimum-blocks bound of 1 on the
+// others is not the same as none (ptxas then gave the 64-thread instances 111 registers, not 80,
+// and T = 4096 ran 4-6 % slower).
+template <typename T, int kN0, int kN1, int kThreads0, int kThreads1>
+__global__ void __launch_bounds__(kThreads0, kRmsqDualOneChunkBlocksPerSm)
+    rmsnorm_quant_rows_kernel_bounded(const __grid_constant__ RmsNormQuantKernelParams params) {
+  rmsnorm_quant_rows<T, kN0, kN1, kThreads0, kThreads1>(params);
+}
+
 }  // namespace rmsq
 
 template <typename T>
 void launch_rmsnorm_quant_kernel(const RmsNormQuantKernelParams& params, int64_t num_blocks,
                                  int threads, int64_t max_norm_hidden, const Launch& launch) {
-  // Wide rows (N >= 8192 for 16-bit, >= 12288 for fp32 dtypes) need more than the default 48 KB
-  // of shared memory: launch_kernel opts the kernel in.
+  // 16-bit rows wider than 24576 stage more than the default 48 KB of shared memory (the weight):
+  // launch_kernel opts the kernel in. fp32 rows stage nothing.
   const size_t smem_bytes = rmsq_smem_bytes<T>(max_norm_hidden);
   launch_kernel("rmsnorm_quant_kernel", rmsq::rmsnorm_quant_kernel<T>,
                 static_cast<unsigned>(num_blocks), static_cast<unsigned>(threads), smem_bytes,
@@ -784,10 +799,19 @@ template <typename T, int kN0, int kN1, int kThreads0, int kThreads1>
 void launch_rmsnorm_quant_rows_kernel(const RmsNormQuantKernelParams& params, int64_t num_blocks,
                                       int64_t max_norm_hidden, const Launch& launch) {
   const size_t smem_bytes = rmsq_smem_bytes<T>(max_norm_hidden);
-  launch_kernel("rmsnorm_quant_rows_kernel",
-                rmsq::rmsnorm_quant_rows_kernel<T, kN0, kN1, kThreads0, kThreads1>,
-                static_cast<unsigned>(num_blocks), static_cast<unsigned>(kThreads0), smem_bytes,
-                launch, params);
+  constexpr bool kBounded =
+      kN1 > 0 && kThreads0 * kChunkElems == kN0 && kRmsqDualOneChunkBounded<T>;
+  if constexpr (kBounded) {
+    launch_kernel("rmsnorm_quant_rows_kernel_bounded",
+                  rmsq::rmsnorm_quant_rows_kernel_bounded<T, kN0, kN1, kThreads0, kThreads1>,
+                  static_cast<unsigned>(num_blocks), static_cast<unsigned>(kThreads0), smem_bytes,
+                  launch, params);
+  } else {
+    launch_kernel("rmsnorm_quant_rows_kernel",
+                  rmsq::rmsnorm_quant_rows_kernel<T, kN0, kN1, kThreads0, kThreads1>,
+                  static_cast<unsigned>(num_blocks), static_cast<unsigned>(kThreads0), smem_bytes,
+                  launch, params);
+  }
 }
 
 }  // namespace cuda

@@ -5,6 +5,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 #include <string>
 
 #include "core/backend.h"
@@ -13,6 +14,19 @@
 
 namespace mlakv {
 namespace cuda {
+
+int multiprocessor_count() {
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int> sm_counts[kMaxDevices];
+  int device = 0;
+  MLAKV_CUDA_CHECK(cudaGetDevice(&device));
+  int sms = device < kMaxDevices ? sm_counts[device].load(std::memory_order_relaxed) : 0;
+  if (sms == 0) {
+    MLAKV_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+    if (device < kMaxDevices) sm_counts[device].store(sms, std::memory_order_relaxed);
+  }
+  return sms;
+}
 
 void reset_error_counts(int32_t* error_counts, int device_index, void* stream) {
   DeviceGuard guard(device_index);

@@ -260,12 +260,6 @@ float tree_sum_squares(const std::vector<float>& x, size_t lo, size_t size) {
   return tree_sum_squares(x, lo, half) + tree_sum_squares(x, lo + half, half);
 }
 
-float tree_sum_squares(const std::vector<float>& x) {
-  size_t size = 1;
-  while (size < x.size()) size *= 2;
-  return tree_sum_squares(x, 0, size);
-}
-
 // ---- the cache ---------------------------------------------------------------------------------
 bool is_ds_mla(const KVCacheView& c) { return c.format == CacheFormat::kFloat8DsMla; }
 
@@ -400,6 +394,12 @@ void write_k_side(const KVCacheView& cache, const TensorView& slot_mapping, int6
 }
 
 }  // namespace
+
+float tree_sum_squares(const std::vector<float>& x) {
+  size_t size = 1;
+  while (size < x.size()) size *= 2;
+  return tree_sum_squares(x, 0, size);
+}
 
 // ---- scalar conversions ------------------------------------------------------------------------
 uint16_t float_to_bf16(float x) { return round_to_format(x, kBf16); }

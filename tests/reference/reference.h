@@ -9,6 +9,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include "mlakv/cache.h"
 #include "mlakv/ops.h"
@@ -69,6 +70,11 @@ int64_t cache_rope_bytes(const KVCacheView& cache);
 // through two products); stored in a wider dtype that ulp spans several codes of it; one code when
 // the storage is coarser than the model dtype (fp8). Shared by the tests and `mlakv check`.
 int64_t norm_tolerance_codes(DType storage, DType model);
+
+// fp32 sum of the squares of x (each x_i * x_i rounded to fp32) as the complete binary tree over
+// the index, the row padded with +0 to a power of two: RMSNorm's documented order
+// (docs/rmsnorm_quant.md), written as its definition (recursive halving).
+float tree_sum_squares(const std::vector<float>& x);
 
 }  // namespace ref
 }  // namespace mlakv
