@@ -920,10 +920,11 @@ TEST_P(RmsNormQuantTest, DualForm) {
 
 // Different token counts for the two tasks (one may be 0): the CUDA exact-fit kernel's blocks
 // take two rows of one task each, ceil(T_q / 2) blocks of q_c first; its thread form is one chunk
-// a thread while the whole grid has at most kRmsqOneChunkMaxBlocks = 768 blocks, for 16-bit rows
-// at most 8 a multiprocessor (1056 on an H200: {3, 1201} 603 blocks, {768, 768} 768, {770, 768}
-// 769, {1601, 3} and {3, 1601} 803, {2101, 3} 1053 in one chunk for 16-bit rows, in two for
-// fp32), else two while q_c has at most 2048 ({2201, 3}: 1103), else three ({4097, 3}).
+// a thread while the whole grid has at most kRmsqOneChunkMaxBlocks = 768 blocks ({3, 1201}: 603,
+// {768, 768}: 768, one chunk in every dtype), for 16-bit rows at most 8 a multiprocessor (1056 on
+// an H200: {770, 768} 769, {1601, 3} and {3, 1601} 803, {2101, 3} 1053 blocks take one chunk for
+// 16-bit rows, two for fp32), else two while q_c has at most 2048 ({2201, 3}: 1103), else three
+// ({4097, 3}).
 TEST_P(RmsNormQuantTest, DualFormTokenCounts) {
   uint64_t seed = 1300;
   const int64_t counts[][2] = {{5, 3},    {0, 4},    {3, 0},     {2, 7},     {1601, 3}, {4097, 3},

@@ -268,7 +268,7 @@ MLAKV_HD float chunk_square_sum(const float (&x)[8]) {
 // merges the carries (pending[k] + v for each trailing 1 bit) and stores at the first clear bit;
 // total() adds the pending subtrees, smallest first, each to the one on its left (the padded
 // tree's right edge, + 0 at the start). Every index is a loop counter (unrolled on the GPU: the
-// array stays in registers). 32 levels: 2^32 arrivals.
+// array stays in registers). 32 levels: 2^32 - 1 arrivals.
 struct PairwiseMerger {
   static constexpr int kLevels = 32;
   float pending[kLevels] = {};

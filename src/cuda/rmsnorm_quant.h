@@ -65,8 +65,8 @@ constexpr int64_t kRmsqOneChunkMaxBlocks = 768;
 // rows would spill) and takes grids of up to that many blocks a multiprocessor, past
 // kRmsqOneChunkMaxBlocks: its kv_c blocks are light (64 active threads), so what counts is that
 // the whole grid is one wave. At T = 1024 (1024 blocks; 7 resident a multiprocessor at the
-// unbounded 47 registers, 8 at 40) the H200 ran it in 5.8 us unbounded, 4.9 bounded, and 5.2 in
-// the two-chunk form.
+// unbounded 47 registers, 8 at 40) the H200 ran it in 4.9 us bounded and 5.2 us in the two-chunk
+// form (docs/perf-notes.md, eighth session).
 constexpr int kRmsqDualOneChunkBlocksPerSm = 8;
 template <typename T>
 constexpr bool kRmsqDualOneChunkBounded = sizeof(T) == 2;
