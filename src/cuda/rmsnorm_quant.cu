@@ -32,7 +32,7 @@ void launch_rows(const RmsNormQuantKernelParams& params, int64_t num_blocks0, in
   constexpr int kFew1 = kN1 > 0 ? kN1 / kChunkElems : kFew;
   if constexpr (kOneChunk > kFew) {
     const int64_t one_chunk_max =
-        kN1 > 0 && kRmsqDualOneChunkBounded<T>
+        kRmsqRowsBounded<T, kN0, kN1, kOneChunk>
             ? std::max<int64_t>(kRmsqOneChunkMaxBlocks,
                                 int64_t{kRmsqDualOneChunkBlocksPerSm} * multiprocessor_count())
             : kRmsqOneChunkMaxBlocks;

@@ -68,8 +68,10 @@ constexpr int64_t kRmsqOneChunkMaxBlocks = 768;
 // unbounded 47 registers, 8 at 40) the H200 ran it in 4.9 us bounded and 5.2 us in the two-chunk
 // form (docs/perf-notes.md, eighth session).
 constexpr int kRmsqDualOneChunkBlocksPerSm = 8;
-template <typename T>
-constexpr bool kRmsqDualOneChunkBounded = sizeof(T) == 2;
+// Whether the exact-fit instance (rows of N0 and N1 on kThreads0 threads) is that one: the dual
+// form, one chunk a thread, 16-bit rows. The launcher's form rule and its kernel choice both ask.
+template <typename T, int kN0, int kN1, int kThreads0>
+constexpr bool kRmsqRowsBounded = kN1 > 0 && kThreads0 * 8 == kN0 && sizeof(T) == 2;
 constexpr int64_t kRmsqTwoChunksMaxBlocks = 2048;
 constexpr int rmsq_rows_threads(int N0, int N1) {
   return static_cast<int>(rmsq_threads_for((N0 > N1 ? N0 : N1) / 8));

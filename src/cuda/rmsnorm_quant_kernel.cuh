@@ -799,9 +799,7 @@ template <typename T, int kN0, int kN1, int kThreads0, int kThreads1>
 void launch_rmsnorm_quant_rows_kernel(const RmsNormQuantKernelParams& params, int64_t num_blocks,
                                       int64_t max_norm_hidden, const Launch& launch) {
   const size_t smem_bytes = rmsq_smem_bytes<T>(max_norm_hidden);
-  constexpr bool kBounded =
-      kN1 > 0 && kThreads0 * kChunkElems == kN0 && kRmsqDualOneChunkBounded<T>;
-  if constexpr (kBounded) {
+  if constexpr (kRmsqRowsBounded<T, kN0, kN1, kThreads0>) {
     launch_kernel("rmsnorm_quant_rows_kernel_bounded",
                   rmsq::rmsnorm_quant_rows_kernel_bounded<T, kN0, kN1, kThreads0, kThreads1>,
                   static_cast<unsigned>(num_blocks), static_cast<unsigned>(kThreads0), smem_bytes,
