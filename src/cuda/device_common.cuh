@@ -533,11 +533,26 @@ __device__ __forceinline__ float group_max(float v, int width) {
 // multiple of 32) held by lanes 0 .. 31 of a warp (warp_pairwise_sum), then the run of such
 // 256-element subtrees in row order (pairwise_sum, warp_slots_sum, num::PairwiseMerger).
 
+// fp16 elements widen by the hardware's conversion (cvt.f32.f16), num::to_float's value for every
+// non-NaN half; a NaN's square is the canonical NaN on the GPU whatever its payload, so the sum's
+// bits are the same as with the software conversion (fewer instructions and registers than
+// num::to_float's bit manipulation).
+template <typename T>
+__device__ __forceinline__ float widen_for_square(T v) {
+  if constexpr (std::is_same_v<T, num::Half>) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v.bits));
+    return f;
+  } else {
+    return num::to_float(v);
+  }
+}
+
 template <typename T>
 __device__ __forceinline__ float chunk_square_sum(const Chunk<T>& c) {
   float x[kChunkElems];
 #pragma unroll
-  for (int k = 0; k < kChunkElems; ++k) x[k] = num::to_float(c.v[k]);
+  for (int k = 0; k < kChunkElems; ++k) x[k] = widen_for_square(c.v[k]);
   return num::chunk_square_sum(x);
 }
 

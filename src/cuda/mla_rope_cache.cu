@@ -13,8 +13,9 @@ namespace {
 
 constexpr int kRopeSlotsHost = 8;  // mla_rope_cache_kernel.cuh kRopeSlots
 // Chunks a lane stages at most in a rope or copy item: 8 (4 KB of bf16 a warp) measured as fast as
-// 16 at large T and faster for a model-dtype copy; an fp8 q_out copy (half the bytes stored) uses
-// the whole stage.
+// 16 at large T and faster for a model-dtype copy, and faster for an fp8 q_out copy too (decode_fp8
+// T = 512 35.4 -> 33.8 us, T = 2048 124.1 -> 121.9 us on the H200, docs/perf-notes.md, ninth
+// session).
 constexpr int64_t kItemSlotsHost = 8;
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
@@ -58,28 +59,28 @@ CopyList make_copy_list(const void* src, int64_t stride_src_token, int64_t strid
   const int64_t cpr = ceil_div(row_elems, 8);
   MLAKV_CHECK(cpr < (int64_t{1} << 30), "mla_rope_cache: rows of ", row_elems,
               " elements are too long for one launch");
-  c.chunks_per_row = static_cast<int32_t>(cpr);
   const int64_t slots = slots_for((c.row_end - c.row_begin) * cpr, most_slots, wave_warps);
   const int64_t capacity = 32 * slots;  // chunks an item stages
+  int64_t segments_per_row = 1;
   if (cpr <= capacity) {
     c.rows_per_item = static_cast<int32_t>(capacity / cpr);
     c.slots = static_cast<int32_t>(ceil_div(c.rows_per_item * cpr, 32));
     c.num_items = ceil_div(c.row_end - c.row_begin, c.rows_per_item);
   } else {
-    c.segments_per_row = static_cast<int32_t>(ceil_div(cpr, capacity));
+    segments_per_row = ceil_div(cpr, capacity);
     c.slots = static_cast<int32_t>(slots);
-    c.num_items = (c.row_end - c.row_begin) * c.segments_per_row;
+    c.num_items = (c.row_end - c.row_begin) * segments_per_row;
   }
   c.row_step = static_cast<int32_t>(32 / cpr);
   c.chunk_step = static_cast<int32_t>(32 % cpr);
   const bool one_run =
       stride_src_token == H * stride_src_head && stride_dst_token == H * stride_dst_head;
-  c.rows_per_token = one_run ? c.row_end + 1 : H;
+  const int64_t rows_per_token = one_run ? c.row_end + 1 : H;
   c.src_token_jump = one_run ? 0 : stride_src_token - H * stride_src_head;
   c.dst_token_jump = one_run ? 0 : stride_dst_token - H * stride_dst_head;
-  c.segment_div = FastDiv(static_cast<uint32_t>(c.segments_per_row));
+  c.segment_div = FastDiv(static_cast<uint32_t>(segments_per_row));
   c.chunk_div = FastDiv(static_cast<uint32_t>(cpr));
-  c.token_div = FastDiv(static_cast<uint32_t>(c.rows_per_token));
+  c.token_div = FastDiv(static_cast<uint32_t>(rows_per_token));
   for (int wrapped = 0; wrapped < 2; ++wrapped) {
     const int64_t rows = c.row_step + wrapped;
     const int64_t elems = 8 * (c.chunk_step - (wrapped != 0 ? cpr : 0));
@@ -100,8 +101,6 @@ MlaRopeCacheKernelParams make_params(const core::MlaRopeCacheArgs& a, bool apply
   const int64_t T = a.num_tokens;
   const int64_t H = a.num_heads;
   const int64_t elem_bytes = static_cast<int64_t>(dtype_size(a.model_dtype));
-  const bool fp8_q_out =
-      a.q_out != nullptr && a.q_out_dtype != a.model_dtype && dtype_size(a.q_out_dtype) == 1;
   const int64_t item_slots = std::min(kItemSlotsHost, stage_slots(elem_bytes));
   const bool device_td = a.num_decode_tokens_device != nullptr;
   const int64_t td = std::min<int64_t>(std::max<int64_t>(a.num_decode_tokens, 0), T);
@@ -137,14 +136,13 @@ MlaRopeCacheKernelParams make_params(const core::MlaRopeCacheArgs& a, bool apply
     p.rope_chunk_slots = static_cast<int32_t>(slots);
     p.rope_heads_per_item = static_cast<int32_t>(hps * slots);
   }
-  p.rope_groups_per_token = H > 0 ? ceil_div(H, p.rope_heads_per_item) : 1;
-  p.rope_group_div = FastDiv(static_cast<uint32_t>(p.rope_groups_per_token));
-  p.num_rope_items = rope_tokens * p.rope_groups_per_token;
+  const int64_t rope_groups_per_token = H > 0 ? ceil_div(H, p.rope_heads_per_item) : 1;
+  p.rope_group_div = FastDiv(static_cast<uint32_t>(rope_groups_per_token));
+  p.num_rope_items = rope_tokens * rope_groups_per_token;
   if (has_decode && a.copy_nope && a.ql_nope != nullptr) {
-    p.decode_copy =
-        make_copy_list(a.ql_nope, a.stride_ql_nope_token, a.stride_ql_nope_head, a.q_out,
-                       a.stride_q_out_token, a.stride_q_out_head, 0, decode_end, H, a.kv_lora_rank,
-                       fp8_q_out ? stage_slots(elem_bytes) : item_slots, wave_warps);
+    p.decode_copy = make_copy_list(a.ql_nope, a.stride_ql_nope_token, a.stride_ql_nope_head,
+                                   a.q_out, a.stride_q_out_token, a.stride_q_out_head, 0,
+                                   decode_end, H, a.kv_lora_rank, item_slots, wave_warps);
   }
   if (has_prefill && a.q_prefill_out != nullptr) {
     p.prefill_copy = make_copy_list(a.q, a.stride_q_token, a.stride_q_head, a.q_prefill_out,

@@ -38,19 +38,17 @@ struct CopyList {
   void* dst = nullptr;  // [T, H, >= row_elems], model dtype or fp8 (decode q_out)
   int64_t stride_dst_token = 0, stride_dst_head = 0;
   int64_t row_begin = 0, row_end = 0;
-  int64_t row_elems = 0;       // L (decode) or P (prefill)
-  int64_t rows_per_token = 1;  // H, or more than row_end when the rows are one run
+  int64_t row_elems = 0;                               // L (decode) or P (prefill)
   int64_t src_step[2] = {0, 0}, dst_step[2] = {0, 0};  // [chunk index wrapped]
   int64_t src_token_jump = 0, dst_token_jump = 0;      // stride_token - H * stride_head
-  int32_t chunks_per_row = 0;                          // ceil(row_elems / 8)
   int32_t slots = 1;  // chunks a lane stages, <= kStageBytes / 32 / chunk bytes
   int32_t rows_per_item = 1;
-  int32_t segments_per_row = 1;
   int32_t row_step = 0, chunk_step = 0;
-  // The kernel's divisions, prepared here (fast_div.h: item and row indices are below 2^31).
+  // The kernel's divisions, prepared here (fast_div.h: item and row indices are below 2^31); each
+  // divisor is the count itself (segment_div.divisor is segments_per_row, and so on).
   FastDiv segment_div;  // by segments_per_row
-  FastDiv chunk_div;    // by chunks_per_row
-  FastDiv token_div;    // by rows_per_token
+  FastDiv chunk_div;    // by chunks_per_row = ceil(row_elems / 8)
+  FastDiv token_div;    // by rows_per_token: H, or more than row_end when the rows are one run
   int64_t num_items = 0;
 };
 
@@ -63,10 +61,9 @@ struct MlaRopeCacheKernelParams {
   // heads), decode nope copy, prefill nope copy.
   int64_t num_k_items = 0;
   int64_t rope_token_begin = 0;
-  int64_t rope_groups_per_token = 1;  // ceil(H / rope_heads_per_item)
-  FastDiv rope_group_div;             // by rope_groups_per_token
-  int32_t rope_pairs_per_lane = 1;    // ceil(R / 2 / 32)
-  int32_t rope_heads_per_item = 1;    // 8 / rope_pairs_per_lane
+  FastDiv rope_group_div;  // by the groups of heads a token has, ceil(H / rope_heads_per_item)
+  int32_t rope_pairs_per_lane = 1;  // ceil(R / 2 / 32)
+  int32_t rope_heads_per_item = 1;  // 8 / rope_pairs_per_lane
   int64_t num_rope_items = 0;
   // Rope items move whole 8-element chunks (GPT-J or no rotation, vector access, R / 8 divides
   // 32): a lane stages rope_chunk_slots chunks, rope_heads_per_item = rope_chunk_slots * 32 / (R /

@@ -474,7 +474,7 @@ __device__ __forceinline__ void copy_item(const CopyList& c, int64_t i, bool dec
   // rope_item_place).
   int64_t r0 = c.row_begin + i * c.rows_per_item;
   int k0 = 0;
-  if (c.segments_per_row > 1) {
+  if (c.segment_div.divisor > 1) {  // segments_per_row
     const uint32_t item = static_cast<uint32_t>(i);
     const uint32_t row = c.segment_div.div(item);
     r0 = c.row_begin + row;
@@ -482,8 +482,8 @@ __device__ __forceinline__ void copy_item(const CopyList& c, int64_t i, bool dec
   }
   const int64_t rows_left = c.row_end - r0;
   const int rows = static_cast<int>(rows_left < c.rows_per_item ? rows_left : c.rows_per_item);
-  const int cpr = c.chunks_per_row;
-  const int64_t split = td * H;  // first prefill row
+  const int cpr = static_cast<int>(c.chunk_div.divisor);  // chunks_per_row
+  const int64_t split = td * H;                           // first prefill row
   const int q = k0 + lane;
   const int first_rl = static_cast<int>(c.chunk_div.div(static_cast<uint32_t>(q)));
   const int first_k = q - first_rl * cpr;
@@ -522,8 +522,9 @@ __device__ __forceinline__ void copy_item(const CopyList& c, int64_t i, bool dec
         off += step[wrapped ? 1 : 0];
         if constexpr (!kSimple) {
           h += dr;
-          while (h >= c.rows_per_token) {
-            h -= c.rows_per_token;
+          const int64_t rows_per_token = c.token_div.divisor;
+          while (h >= rows_per_token) {
+            h -= rows_per_token;
             off += token_jump;
           }
         }
