@@ -11,7 +11,9 @@
 //   of a chunk: that rounding on finite chunks and cos/sin, rotate_pair's otherwise) against the
 //   host's num::rope_rotate + from_float;
 // - FastDiv's __umulhi path (the fused kernel's work-item decoding) against the division, on
-//   random divisor / numerator pairs.
+//   random divisor / numerator pairs;
+// - cuda::chunk_square_sum of fp16 chunks (RMSNorm's sum of squares, widening by cvt.f32.f16)
+//   against num::to_float + num::chunk_square_sum, with every fp16 value in every position.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -118,6 +120,18 @@ __global__ void rotate_chunk_kernel(const T* x, const float* cs, const float* sn
                                ? cuda::rotate_chunk<cuda::ChunkRounding::kHardware>(m, c, s)
                                : cuda::rotate_chunk<cuda::ChunkRounding::kPairwise>(m, c, s);
   for (int e = 0; e < cuda::kChunkElems; ++e) out[i * cuda::kChunkElems + e] = r.v[e];
+}
+
+// Chunk i of x: widen_for_square of element i % 8 (its float bits) and chunk_square_sum of the
+// chunk.
+__global__ void square_sum_kernel(const num::Half* x, int64_t chunks, uint32_t* widened,
+                                  float* sums) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= chunks) return;
+  cuda::Chunk<num::Half> c;
+  for (int e = 0; e < cuda::kChunkElems; ++e) c.v[e] = x[i * cuda::kChunkElems + e];
+  widened[i] = __float_as_uint(cuda::widen_for_square(c.v[i % cuda::kChunkElems]));
+  sums[i] = cuda::chunk_square_sum(c);
 }
 
 bool has_gpu() {
@@ -474,6 +488,60 @@ TEST(CudaNumerics, RotateChunkMatchesHost) {
   if (!has_gpu()) GTEST_SKIP() << "no CUDA device visible";
   check_rotate_chunk<num::Bf16>("rotate_chunk bf16");
   check_rotate_chunk<num::Half>("rotate_chunk fp16");
+}
+
+// Every fp16 value (subnormals, signed zeros, infinities, NaNs with every payload) in each of the
+// 8 positions of a chunk whose other elements are random halves of moderate magnitude: the
+// widened value equals num::to_float bit for bit (a NaN: any NaN), and the chunk's sum of squares
+// equals the host's num::chunk_square_sum of num::to_float's values bit for bit (NaN: both NaN).
+TEST(CudaNumerics, ChunkSquareSumMatchesHostOnEveryFp16Value) {
+  if (!has_gpu()) GTEST_SKIP() << "no CUDA device visible";
+  const int64_t values = 1 << 16;
+  const int64_t chunks = values * cuda::kChunkElems;
+  std::mt19937 rng(17);
+  std::normal_distribution<float> normal(0.0f, 20.0f);
+  std::vector<num::Half> x(static_cast<size_t>(chunks) * cuda::kChunkElems);
+  for (int64_t c = 0; c < chunks; ++c) {
+    const int pos = static_cast<int>(c % cuda::kChunkElems);
+    for (int e = 0; e < cuda::kChunkElems; ++e) {
+      x[c * cuda::kChunkElems + e] = e == pos
+                                         ? num::Half{static_cast<uint16_t>(c / cuda::kChunkElems)}
+                                         : num::from_float<num::Half>(normal(rng));
+    }
+  }
+  DeviceArray<num::Half> dx(x.size());
+  DeviceArray<uint32_t> dwide(static_cast<size_t>(chunks));
+  DeviceArray<float> dsum(static_cast<size_t>(chunks));
+  ASSERT_TRUE(dx.ptr && dwide.ptr && dsum.ptr);
+  TEST_CUDA_OK(cudaMemcpy(dx.ptr, x.data(), x.size() * sizeof(num::Half), cudaMemcpyHostToDevice));
+  const int threads = 256;
+  square_sum_kernel<<<static_cast<unsigned>((chunks + threads - 1) / threads), threads, 0,
+                      cudaStream_t{}>>>(dx.ptr, chunks, dwide.ptr, dsum.ptr);
+  TEST_CUDA_OK(cudaGetLastError());
+  std::vector<uint32_t> wide(static_cast<size_t>(chunks));
+  std::vector<float> sum(static_cast<size_t>(chunks));
+  TEST_CUDA_OK(
+      cudaMemcpy(wide.data(), dwide.ptr, wide.size() * sizeof(uint32_t), cudaMemcpyDeviceToHost));
+  TEST_CUDA_OK(
+      cudaMemcpy(sum.data(), dsum.ptr, sum.size() * sizeof(float), cudaMemcpyDeviceToHost));
+  int64_t bad = 0;
+  for (int64_t c = 0; c < chunks; ++c) {
+    float v[cuda::kChunkElems];
+    for (int e = 0; e < cuda::kChunkElems; ++e) v[e] = num::to_float(x[c * cuda::kChunkElems + e]);
+    const float want = num::chunk_square_sum(v);
+    const int pos = static_cast<int>(c % cuda::kChunkElems);
+    const bool wide_ok =
+        std::isnan(v[pos]) ? std::isnan(host_float(wide[c])) : wide[c] == host_bits(v[pos]);
+    const bool sum_ok =
+        std::isnan(want) ? std::isnan(sum[c]) : host_bits(sum[c]) == host_bits(want);
+    if ((!wide_ok || !sum_ok) && ++bad <= 5) {
+      ADD_FAILURE() << "chunk " << c << " (fp16 0x" << std::hex
+                    << x[c * cuda::kChunkElems + pos].bits << "): widened 0x" << wide[c]
+                    << " against 0x" << host_bits(v[pos]) << ", sum 0x" << host_bits(sum[c])
+                    << " against 0x" << host_bits(want) << std::dec;
+    }
+  }
+  EXPECT_EQ(bad, 0) << chunks << " chunks";
 }
 
 }  // namespace

@@ -22,14 +22,14 @@
 //                                t < Td: q_pe -> q_out[t, h, L:]; t >= Td: q[t, h, P:] -> in place
 //                                or q_prefill_out[t, h, P:]. Two mappings (p.rope_chunked, host):
 //                                chunked (GPT-J or no rotation, 16-byte path, R / 8 = cph divides
-//                                32): hps = 32 / cph heads per slot, up to 16 slots (bf16; 8 for
-//                                fp32) staged in the warp's shared memory; slot s of lane l holds
+//                                32): hps = 32 / cph heads per slot, up to 8 slots (the launcher's
+//                                cap) staged in the warp's shared memory; slot s of lane l holds
 //                                the chunk c = l % cph (elements 8c .. 8c + 7 = pairs 4c .. 4c + 3)
 //                                of head h0 + s * hps + l / cph:
 //                                  R = 64 bf16: |h0 c0..c7|h1 c0..c7|h2 ..|h3 ..|  slot 0
 //                                                l0 .. l7  l8 .. l15 ...          |h4 .. h7| slot 1
-//                                  (64 heads an item for H >= 64: the position requested, then
-//                                  8 KB by cp.async at once, then cos/sin columns 4c .. 4c + 3
+//                                  (32 heads an item for H >= 32: the position requested, then
+//                                  4 KB by cp.async at once, then cos/sin columns 4c .. 4c + 3
 //                                  read once per item, then each slot rotated and stored);
 //                                otherwise (NeoX, unaligned, other R): up to 8 / ppl heads, slot
 //                                s < 8 of lane l: head h0 + s / ppl, pair l + 32 * (s % ppl)
@@ -37,15 +37,15 @@
 //                                are in flight together, in registers.
 //   then decode copy items     ql_nope[t, h, :L] -> q_out[t, h, :L] (converted / quantized), rows
 //                                t < Td; lane l moves chunks l, l + 32, ... of the item's rows
-//                                laid end to end (L = 512 bf16: 64 chunks a row, 8 rows = 8 KB an
-//                                item, 16 chunks a lane), all staged in the warp's shared memory
-//                                by cp.async before the first is converted and stored: a pure
-//                                streaming copy with 8 KB a warp in flight and few registers.
+//                                laid end to end (L = 512 bf16, 8 slots: 64 chunks a row, 4 rows
+//                                = 4 KB an item, 8 chunks a lane), all staged in the warp's shared
+//                                memory by cp.async before the first is converted and stored: a
+//                                pure streaming copy with 4 KB a warp in flight and few registers.
 //   then prefill copy items    q[t, h, :P] -> q_prefill_out[t, h, :P], rows t >= Td, same mapping
 //                                (rows longer than an item are cut into segments).
 //
 // Shared memory: kStageBytes (8 KB) per warp, 32 KB a block: a K item's RMSNorm weight, or
-// the chunks a rope / copy item stages. Each lane reads back only what it staged itself (after its
+// the chunks a rope / copy item stages (at most 8 slots: 4 KB for 16-bit models, 8 KB for fp32). Each lane reads back only what it staged itself (after its
 // own cp.async.wait_all), so the stage needs no barrier. Without 16-byte access (kVec false) copy
 // items stage through registers instead of cp.async.
 //
