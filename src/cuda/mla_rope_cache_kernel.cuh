@@ -45,9 +45,10 @@
 //                                (rows longer than an item are cut into segments).
 //
 // Shared memory: kStageBytes (8 KB) per warp, 32 KB a block: a K item's RMSNorm weight, or
-// the chunks a rope / copy item stages (at most 8 slots: 4 KB for 16-bit models, 8 KB for fp32). Each lane reads back only what it staged itself (after its
-// own cp.async.wait_all), so the stage needs no barrier. Without 16-byte access (kVec false) copy
-// items stage through registers instead of cp.async.
+// the chunks a rope / copy item stages (at most 8 slots: 4 KB for 16-bit models, 8 KB for fp32).
+// Each lane reads back only what it staged itself (after its own cp.async.wait_all), so the stage
+// needs no barrier. Without 16-byte access (kVec false) copy items stage through registers instead
+// of cp.async.
 //
 // Aliasing: k_pe_out may be k_pe, kv_c_out may be kv_c, q_out's rope part may be q_pe,
 // q_prefill_out may be q: each element is read and written by the same lane (in both rope
