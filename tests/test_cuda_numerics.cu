@@ -122,7 +122,7 @@ __global__ void rotate_chunk_kernel(const T* x, const float* cs, const float* sn
   for (int e = 0; e < cuda::kChunkElems; ++e) out[i * cuda::kChunkElems + e] = r.v[e];
 }
 
-// Chunk i of x: widen_for_square of element i % 8 (its float bits) and chunk_square_sum of the
+// Chunk i of x: widen of element i % 8 (its float bits) and chunk_square_sum of the
 // chunk.
 __global__ void square_sum_kernel(const num::Half* x, int64_t chunks, uint32_t* widened,
                                   float* sums) {
@@ -130,7 +130,7 @@ __global__ void square_sum_kernel(const num::Half* x, int64_t chunks, uint32_t* 
   if (i >= chunks) return;
   cuda::Chunk<num::Half> c;
   for (int e = 0; e < cuda::kChunkElems; ++e) c.v[e] = x[i * cuda::kChunkElems + e];
-  widened[i] = __float_as_uint(cuda::widen_for_square(c.v[i % cuda::kChunkElems]));
+  widened[i] = __float_as_uint(cuda::widen(c.v[i % cuda::kChunkElems]));
   sums[i] = cuda::chunk_square_sum(c);
 }
 

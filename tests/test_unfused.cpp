@@ -285,7 +285,7 @@ TEST_P(RmsNorm, MatchesReferenceWithinOneUlp) {
 
 // A GPU backend sums the squares in the CPU backend's order (the pairwise tree, numerics.h), so
 // their outputs are equal byte for byte, for every row width: chunks cut short (N = 7 bf16, 1000
-// fp16, 3001 fp32), several 1024-element segments merged (3001, 7168 and 9000 bf16), and the
+// fp16, 3001 fp32), several 1024-element segments merged (3001 fp32, 7168 and 9000 bf16), and the
 // other cases' widths.
 TEST_P(RmsNorm, EqualsTheCpuBackendBitwise) {
   const Device dev = std::get<0>(GetParam()).device;

@@ -533,12 +533,12 @@ __device__ __forceinline__ float group_max(float v, int width) {
 // multiple of 32) held by lanes 0 .. 31 of a warp (warp_pairwise_sum), then the run of such
 // 256-element subtrees in row order (pairwise_sum, warp_slots_sum, num::PairwiseMerger).
 
-// fp16 elements widen by the hardware's conversion (cvt.f32.f16), num::to_float's value for every
-// non-NaN half; a NaN's square is the canonical NaN on the GPU whatever its payload, so the sum's
-// bits are the same as with the software conversion (fewer instructions and registers than
-// num::to_float's bit manipulation).
+// A model-dtype element as a float for arithmetic: num::to_float's value for every non-NaN
+// element. fp16 widens by the hardware's conversion (cvt.f32.f16; fewer instructions and registers
+// than num::to_float's bit manipulation), whose NaN may carry another payload; the GPU's arithmetic
+// turns any NaN into the canonical NaN, so what the kernels compute from it has the same bits.
 template <typename T>
-__device__ __forceinline__ float widen_for_square(T v) {
+__device__ __forceinline__ float widen(T v) {
   if constexpr (std::is_same_v<T, num::Half>) {
     float f;
     asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v.bits));
@@ -552,7 +552,7 @@ template <typename T>
 __device__ __forceinline__ float chunk_square_sum(const Chunk<T>& c) {
   float x[kChunkElems];
 #pragma unroll
-  for (int k = 0; k < kChunkElems; ++k) x[k] = widen_for_square(c.v[k]);
+  for (int k = 0; k < kChunkElems; ++k) x[k] = widen(c.v[k]);
   return num::chunk_square_sum(x);
 }
 

@@ -100,15 +100,6 @@ namespace cuda {
 namespace rmsq {
 
 // ---- conversions -----------------------------------------------------------------------------
-template <typename T>
-__device__ __forceinline__ float to_f(T v) {
-  return num::to_float(v);
-}
-template <>
-__device__ __forceinline__ float to_f<num::Half>(num::Half v) {
-  return __half2float(__ushort_as_half(v.bits));  // exact
-}
-
 // Round two floats to the model dtype (round-to-nearest-even, as num::from_float).
 template <typename T>
 __device__ __forceinline__ void round2(float a, float b, T& ra, T& rb) {
@@ -177,7 +168,7 @@ __device__ __forceinline__ void unpack_chunk(const Bits<T>& u, float (&f)[kChunk
     }
   } else {
 #pragma unroll
-    for (int k = 0; k < kChunkElems; ++k) f[k] = to_f(u.c.v[k]);
+    for (int k = 0; k < kChunkElems; ++k) f[k] = widen(u.c.v[k]);
   }
 }
 
