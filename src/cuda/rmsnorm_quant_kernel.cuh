@@ -66,9 +66,10 @@
 // tested. Every offset is a compile-time constant; the weight, residual and normed_out cases are
 // template variants chosen once per block (rmsq_two_rows_of), so no branch or register move
 // joins them.
-//   1. a: every load of both rows at once (x; the residual of bf16 rows; the weight chunks by
-//      cp.async into shared memory); b: the residual sum, stored back; the elements kept as
-//      floats in registers;
+//   1. a: every load of both rows at once (x; the weight chunks by cp.async into shared memory,
+//      in the three-chunk form before any instruction waits for x, kStageWeightFirst; the
+//      residual of bf16 rows); b: the residual sum, stored back; the elements kept as floats in
+//      registers;
 //   2. both rows' pairwise trees as in the generic kernel, their shuffles interleaved: the
 //      kN / 256 subtree sums of each row to shared memory, one barrier, then every thread adds
 //      them up and computes both rms_inv (a short chain: 3 levels in a chunk, 5 shuffles,
@@ -528,6 +529,32 @@ __device__ __forceinline__ void load_two_rows(
   }
 }
 
+// Where phase 1a stages the weight of 16-bit rows. Inside the variant (rmsq_two_rows), after the
+// x loads in the PTX, its cp.async comes after x's first squares in the SASS (ptxas moves the
+// arithmetic up), so the weight's round trip starts only once x has landed. Issued before the
+// branch into the variant (rmsq_two_rows_of), it starts with x's. Measured on the H200 (docs/
+// perf-notes.md, tenth session): faster in the three-chunk form (N = 1536 on 64 threads: q_c
+// T = 16384 26.5 -> 25.0 us, the dual form 36.8 -> 34.4 us; 70 registers instead of 80); in the
+// one-chunk form no faster at T >= 1024 (q_c T = 1024 4.30 -> 4.33 us), and in the two-chunk form
+// slower at T = 2048 (6.10 -> 6.28 us) though faster at T = 4096 (9.50 -> 9.19 us), so those two
+// forms keep it inside the variant.
+template <int kChunks>
+constexpr bool kStageWeightFirst = kChunks >= 3;
+
+// Phase 1a's weight chunks (16-bit rows): chunk c of the weight by cp.async into smem16[c], the
+// thread's own chunks.
+template <typename T, int kN, int kThreads>
+__device__ __forceinline__ void stage_weight(const core::RmsNormQuantTask& task, uint4* smem16) {
+  constexpr int kChunks = kRowsChunks<kN, kThreads>;
+  constexpr int kStep = kThreads * kChunkElems;
+  const int tid = static_cast<int>(threadIdx.x);
+  const T* w = static_cast<const T*>(task.weight) + tid * kChunkElems;
+  const unsigned w_staged_addr = static_cast<unsigned>(__cvta_generic_to_shared(smem16 + tid));
+#pragma unroll
+  for (int i = 0; i < kChunks; ++i)
+    copy_chunk_async<T, /*kCached=*/true>(w_staged_addr + i * kThreads * 16u, w + i * kStep);
+}
+
 // Rows t0 and t0 + 1 of one task whose rows are kN wide, on the block's first kThreads threads
 // (kChunks chunks a thread). Without a row t0 + 1 (t0 = T - 1) the second row is the first again:
 // the same loads, the same values, stored to the same places (after every load, by the same
@@ -560,13 +587,13 @@ __device__ __forceinline__ void rmsq_two_rows(
   // Row r of a per-token tensor starts at row 0's pointer + r * stride (0 for a missing second
   // row, as in load_two_rows).
   const T* w = kNormalize ? static_cast<const T*>(task.weight) + e0 : nullptr;
-  // kWeightEarly: weight chunk c at smem16[c].
-  const unsigned w_staged_addr = static_cast<unsigned>(__cvta_generic_to_shared(smem16 + tid));
+  // kWeightEarly: weight chunk c at smem16[c] (stage_weight, here or in rmsq_two_rows_of).
   T* residual =
       kResidual ? static_cast<T*>(task.residual) + t0 * task.stride_residual_token + e0 : nullptr;
   const int64_t dres = has_b ? task.stride_residual_token : 0;
 
-  // Phase 1a: every other load of both rows at once (x's are in flight: load_two_rows).
+  // Phase 1a: every other load of both rows at once (x's are in flight: load_two_rows, and with
+  // kStageWeightFirst the weight's).
   Bits<T> r[kRows][kChunks];
   if (kResidualEarly && kResidual) {
 #pragma unroll
@@ -576,10 +603,8 @@ __device__ __forceinline__ void rmsq_two_rows(
         r[row][i] = load_bits(residual + row * dres + i * kStep);
     }
   }
-  if (kWeightEarly && kNormalize) {
-#pragma unroll
-    for (int i = 0; i < kChunks; ++i)
-      copy_chunk_async<T, /*kCached=*/true>(w_staged_addr + i * kThreads * 16u, w + i * kStep);
+  if (kWeightEarly && kNormalize && !kStageWeightFirst<kChunks>) {
+    stage_weight<T, kN, kThreads>(task, smem16);
   }
   // Phase 1b: s = round(x + residual) stored back into the residual; the elements of s kept as
   // floats for phases 2 and 3.
@@ -718,6 +743,10 @@ __device__ __forceinline__ void rmsq_two_rows_of(const core::RmsNormQuantTask& t
                                                  uint4* smem16, float* s_part) {
   Bits<T> s[kRmsqRowsPerBlock][kRowsChunks<kN, kThreads>];
   load_two_rows<T, kN, kThreads>(task, t0, s);
+  if (kRmsqStagesWeight<T> && kStageWeightFirst<kRowsChunks<kN, kThreads>> &&
+      task.weight != nullptr) {
+    stage_weight<T, kN, kThreads>(task, smem16);
+  }
   const bool residual = task.residual != nullptr;
   const bool normed = task.normed_out != nullptr;
   if (task.weight == nullptr) {
