@@ -67,7 +67,7 @@
 // template variants chosen once per block (rmsq_two_rows_of), so no branch or register move
 // joins them.
 //   1. a: every load of both rows at once (x; the weight chunks by cp.async into shared memory,
-//      in the three-chunk form before any instruction waits for x, kStageWeightFirst; the
+//      in bf16's three-chunk form before any instruction waits for x, kStageWeightFirst; the
 //      residual of bf16 rows); b: the residual sum, stored back; the elements kept as floats in
 //      registers;
 //   2. both rows' pairwise trees as in the generic kernel, their shuffles interleaved: the
@@ -537,9 +537,10 @@ __device__ __forceinline__ void load_two_rows(
 // T = 16384 26.5 -> 25.0 us, the dual form 36.8 -> 34.4 us; 70 registers instead of 80); in the
 // one-chunk form no faster at T >= 1024 (q_c T = 1024 4.30 -> 4.33 us), and in the two-chunk form
 // slower at T = 2048 (6.10 -> 6.28 us) though faster at T = 4096 (9.50 -> 9.19 us), so those two
-// forms keep it inside the variant.
-template <int kChunks>
-constexpr bool kStageWeightFirst = kChunks >= 3;
+// forms keep it inside the variant. bf16 only: for fp16 rows the three-chunk form needed 86
+// registers with it (80 without), and the bench has no fp16 row to say whether that pays.
+template <typename T, int kChunks>
+constexpr bool kStageWeightFirst = std::is_same_v<T, num::Bf16>&& kChunks >= 3;
 
 // Phase 1a's weight chunks (16-bit rows): chunk c of the weight by cp.async into smem16[c], the
 // thread's own chunks.
@@ -603,7 +604,7 @@ __device__ __forceinline__ void rmsq_two_rows(
         r[row][i] = load_bits(residual + row * dres + i * kStep);
     }
   }
-  if (kWeightEarly && kNormalize && !kStageWeightFirst<kChunks>) {
+  if (kWeightEarly && kNormalize && !kStageWeightFirst<T, kChunks>) {
     stage_weight<T, kN, kThreads>(task, smem16);
   }
   // Phase 1b: s = round(x + residual) stored back into the residual; the elements of s kept as
@@ -743,7 +744,7 @@ __device__ __forceinline__ void rmsq_two_rows_of(const core::RmsNormQuantTask& t
                                                  uint4* smem16, float* s_part) {
   Bits<T> s[kRmsqRowsPerBlock][kRowsChunks<kN, kThreads>];
   load_two_rows<T, kN, kThreads>(task, t0, s);
-  if (kRmsqStagesWeight<T> && kStageWeightFirst<kRowsChunks<kN, kThreads>> &&
+  if (kRmsqStagesWeight<T> && kStageWeightFirst<T, kRowsChunks<kN, kThreads>> &&
       task.weight != nullptr) {
     stage_weight<T, kN, kThreads>(task, smem16);
   }
