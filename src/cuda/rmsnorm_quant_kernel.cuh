@@ -534,13 +534,13 @@ __device__ __forceinline__ void load_two_rows(
 // arithmetic up), so the weight's round trip starts only once x has landed. Issued before the
 // branch into the variant (rmsq_two_rows_of), it starts with x's. Measured on the H200 (docs/
 // perf-notes.md, tenth session): faster in the three-chunk form (N = 1536 on 64 threads: q_c
-// T = 16384 26.5 -> 25.0 us, the dual form 36.8 -> 34.4 us; 70 registers instead of 80); in the
+// T = 16384 26.5 -> 25.0 us, the dual form 36.7 -> 34.3 us; 70 registers instead of 80); in the
 // one-chunk form no faster at T >= 1024 (q_c T = 1024 4.30 -> 4.33 us), and in the two-chunk form
-// slower at T = 2048 (6.10 -> 6.28 us) though faster at T = 4096 (9.50 -> 9.19 us), so those two
+// slower at T = 2048 (6.09 -> 6.26 us) though faster at T = 4096 (9.44 -> 9.15 us), so those two
 // forms keep it inside the variant. bf16 only: for fp16 rows the three-chunk form needed 86
 // registers with it (80 without), and the bench has no fp16 row to say whether that pays.
 template <typename T, int kChunks>
-constexpr bool kStageWeightFirst = std::is_same_v<T, num::Bf16>&& kChunks >= 3;
+constexpr bool kStageWeightFirst = (std::is_same_v<T, num::Bf16> && kChunks >= 3);
 
 // Phase 1a's weight chunks (16-bit rows): chunk c of the weight by cp.async into smem16[c], the
 // thread's own chunks.
