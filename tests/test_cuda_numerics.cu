@@ -122,8 +122,7 @@ __global__ void rotate_chunk_kernel(const T* x, const float* cs, const float* sn
   for (int e = 0; e < cuda::kChunkElems; ++e) out[i * cuda::kChunkElems + e] = r.v[e];
 }
 
-// Chunk i of x: widen of element i % 8 (its float bits) and chunk_square_sum of the
-// chunk.
+// Chunk i of x: widen of element i % 8 (its float bits) and chunk_square_sum of the chunk.
 __global__ void square_sum_kernel(const num::Half* x, int64_t chunks, uint32_t* widened,
                                   float* sums) {
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;

@@ -541,6 +541,7 @@ __device__ __forceinline__ void load_two_rows(
 // registers with it (80 without), and the bench has no fp16 row to say whether that pays.
 template <typename T, int kChunks>
 constexpr bool kStageWeightFirst = (std::is_same_v<T, num::Bf16> && kChunks >= 3);
+static_assert(kRmsqStagesWeight<num::Bf16>, "kStageWeightFirst stages the weight of bf16 rows");
 
 // Phase 1a's weight chunks (16-bit rows): chunk c of the weight by cp.async into smem16[c], the
 // thread's own chunks.
@@ -744,8 +745,7 @@ __device__ __forceinline__ void rmsq_two_rows_of(const core::RmsNormQuantTask& t
                                                  uint4* smem16, float* s_part) {
   Bits<T> s[kRmsqRowsPerBlock][kRowsChunks<kN, kThreads>];
   load_two_rows<T, kN, kThreads>(task, t0, s);
-  if (kRmsqStagesWeight<T> && kStageWeightFirst<T, kRowsChunks<kN, kThreads>> &&
-      task.weight != nullptr) {
+  if (kStageWeightFirst<T, kRowsChunks<kN, kThreads>> && task.weight != nullptr) {
     stage_weight<T, kN, kThreads>(task, smem16);
   }
   const bool residual = task.residual != nullptr;
