@@ -36,6 +36,10 @@ class Timer {
   virtual Timing time(const std::vector<Op>& ops) = 0;
   // An op that copies `bytes` from src to dst on the device (memcpy / cudaMemcpyAsync D2D).
   virtual Op copy_op(void* dst, const void* src, size_t bytes) = 0;
+  // Another way to copy `bytes` on the device, timed beside copy_op (the bench's copy reference is
+  // the faster of the two): a plain streaming copy kernel on CUDA (16-byte aligned buffers); an
+  // empty Op where copy_op is the only way (the CPU).
+  virtual Op kernel_copy_op(void* /*dst*/, const void* /*src*/, size_t /*bytes*/) { return {}; }
   // An op that copies `rows` rows of `width_bytes` between pitched buffers (torch's strided copy_,
   // cudaMemcpy2DAsync on CUDA).
   virtual Op copy_2d_op(void* dst, size_t dst_pitch_bytes, const void* src, size_t src_pitch_bytes,

@@ -66,18 +66,34 @@ __device__ __forceinline__ int64_t clamped_position(const core::IndexArg& positi
   return clamp_position(load_index(positions, t), max_pos, error_counts);
 }
 
-// Entry `col` of table row `pos` as float (fp32, bf16 or fp16 table).
-__device__ __forceinline__ float load_table(const core::RopeTableArg& rope, int64_t pos,
-                                            int64_t col) {
+// Entry `col` of table row `pos` as loaded: its bits (fp32, bf16 or fp16 table). Split from
+// table_value so that a loop's loads of 16-bit entries go out together: converted inside the
+// dtype's branch, an entry is waited for there (vec.cuh ChunkInFlight).
+__device__ __forceinline__ uint32_t start_load_table(const core::RopeTableArg& rope, int64_t pos,
+                                                     int64_t col) {
   const int64_t i = pos * rope.stride_pos + col;
+  if (rope.dtype == DType::kBFloat16 || rope.dtype == DType::kFloat16) {
+    return static_cast<const uint16_t*>(rope.data)[i];
+  }
+  return static_cast<const uint32_t*>(rope.data)[i];
+}
+
+// The value of a table entry start_load_table loaded (waits for it).
+__device__ __forceinline__ float table_value(const core::RopeTableArg& rope, uint32_t bits) {
   switch (rope.dtype) {
     case DType::kBFloat16:
-      return num::to_float(static_cast<const num::Bf16*>(rope.data)[i]);
+      return num::to_float(num::Bf16{static_cast<uint16_t>(bits)});
     case DType::kFloat16:
-      return num::to_float(static_cast<const num::Half*>(rope.data)[i]);
+      return num::to_float(num::Half{static_cast<uint16_t>(bits)});
     default:
-      return static_cast<const float*>(rope.data)[i];
+      return __uint_as_float(bits);
   }
+}
+
+// Entry `col` of table row `pos` as float.
+__device__ __forceinline__ float load_table(const core::RopeTableArg& rope, int64_t pos,
+                                            int64_t col) {
+  return table_value(rope, start_load_table(rope, pos, col));
 }
 
 // Pair p of a rope row: GPT-J (2p, 2p + 1), NeoX (p, p + half).

@@ -114,14 +114,15 @@ __global__ void __launch_bounds__(kGatherThreads)
     if (a.cache.scale != nullptr) scale = *a.cache.scale;
   }
   const Latent* latent = reinterpret_cast<const Latent*>(entry.latent);
-  Chunk<Latent> v[kGatherLatentSlots];
+  // The chunks stay in flight (vec.cuh ChunkInFlight) until every load of the row is issued.
+  ChunkInFlight<kVec, Latent> v_in[kGatherLatentSlots];
   float tile_scale[kGatherLatentSlots];
 #pragma unroll
   for (int s = 0; s < kGatherLatentSlots; ++s) {
     const int k = lane + kWarpSize * s;
     tile_scale[s] = scale;
     if (k < cpr) {
-      v[s] = load_chunk<kVec>(latent + k * kChunkElems, kChunkElems);
+      v_in[s] = start_load_chunk<kVec>(latent + k * kChunkElems, kChunkElems);
       if constexpr (kDsMla) {
         tile_scale[s] = reinterpret_cast<const float*>(
             entry.latent + kDsMlaLatentDim)[k / (kDsMlaTileElems / kChunkElems)];
@@ -134,9 +135,10 @@ __global__ void __launch_bounds__(kGatherThreads)
   for (int s = 0; s < kGatherLatentSlots; ++s) {
     const int k = lane + kWarpSize * s;
     if (k < cpr) {
+      const Chunk<Latent> v = finish_load_chunk<kVec, Latent>(v_in[s]);
       Chunk<Out> o;
 #pragma unroll
-      for (int e = 0; e < kChunkElems; ++e) o.v[e] = dequantize<Out>(v[s].v[e], tile_scale[s]);
+      for (int e = 0; e < kChunkElems; ++e) o.v[e] = dequantize<Out>(v.v[e], tile_scale[s]);
       store_chunk<kVec>(out + k * kChunkElems, o, kChunkElems);
     }
   }

@@ -117,12 +117,13 @@ __device__ __forceinline__ void k_side_item(const MlaRopeCacheKernelParams& p, i
   const int64_t raw_pos = p.apply_rope ? load_index(a.positions, t) : 0;
   const T* kv_c = static_cast<const T*>(a.kv_c) + t * a.stride_kv_c_token;
   const T* weight = static_cast<const T*>(a.kv_norm_weight);
-  Chunk<T> x[kMaxLatentChunksPerLane];
+  // The rows stay in flight (vec.cuh ChunkInFlight) until every load of the item is issued.
+  ChunkInFlight<kVec, T> x_in[kMaxLatentChunksPerLane];
 #pragma unroll
   for (int s = 0; s < kMaxLatentChunksPerLane; ++s) {
     const int k = lane + kWarpSize * s;
     if (k < cpr) {
-      x[s] = load_chunk<kVec>(kv_c + k * kChunkElems, kChunkElems);
+      x_in[s] = start_load_chunk<kVec>(kv_c + k * kChunkElems, kChunkElems);
       // The weight goes straight to shared memory (no registers held while the loads fly).
       if (kVec && has_norm) {
         copy_chunk_async<T, /*kCached=*/true>(w_smem + k * kChunkElems, weight + k * kChunkElems);
@@ -131,16 +132,17 @@ __device__ __forceinline__ void k_side_item(const MlaRopeCacheKernelParams& p, i
   }
   if (kVec && has_norm) cp_async_commit();
   const T* k_pe = static_cast<const T*>(a.k_pe) + t * a.stride_k_pe_token;
-  Pair<T> r[kMaxRopePairsPerLane];
+  PairInFlight<T> r_in[kMaxRopePairsPerLane];
 #pragma unroll
   for (int j = 0; j < kMaxRopePairsPerLane; ++j) {
     const int pr = lane + kWarpSize * j;
     if (pr < half) {
-      r[j] = load_pair<kVec>(k_pe, pair_first(neox, pr), pair_second(neox, pr, half), !neox);
+      r_in[j] =
+          start_load_pair<kVec>(k_pe, pair_first(neox, pr), pair_second(neox, pr, half), !neox);
     }
   }
-  float cs[kMaxRopePairsPerLane] = {};
-  float sn[kMaxRopePairsPerLane] = {};
+  uint32_t cs_in[kMaxRopePairsPerLane] = {};
+  uint32_t sn_in[kMaxRopePairsPerLane] = {};
   if (p.apply_rope) {
     const int64_t pos =
         clamp_position(raw_pos, a.rope.max_pos, lane == 0 ? p.error_counts : nullptr);
@@ -148,14 +150,26 @@ __device__ __forceinline__ void k_side_item(const MlaRopeCacheKernelParams& p, i
     for (int j = 0; j < kMaxRopePairsPerLane; ++j) {
       const int pr = lane + kWarpSize * j;
       if (pr < half) {
-        cs[j] = load_table(a.rope, pos, pr);
-        sn[j] = load_table(a.rope, pos, half + pr);
+        cs_in[j] = start_load_table(a.rope, pos, pr);
+        sn_in[j] = start_load_table(a.rope, pos, half + pr);
       }
     }
   }
 
-  // After the loads are in flight: the scale's divisor (fp8 caches; unused and dropped otherwise).
+  // After the loads are in flight: the scale's divisor (fp8 caches; unused and dropped otherwise),
+  // then the rows split into elements (lanes past the row split bits they never use).
   const Divisor cache_div = make_divisor(cache_scale);
+  Chunk<T> x[kMaxLatentChunksPerLane];
+#pragma unroll
+  for (int s = 0; s < kMaxLatentChunksPerLane; ++s) x[s] = finish_load_chunk<kVec, T>(x_in[s]);
+  Pair<T> r[kMaxRopePairsPerLane];
+  float cs[kMaxRopePairsPerLane], sn[kMaxRopePairsPerLane];
+#pragma unroll
+  for (int j = 0; j < kMaxRopePairsPerLane; ++j) {
+    r[j] = finish_load_pair(r_in[j]);
+    cs[j] = table_value(a.rope, cs_in[j]);
+    sn[j] = table_value(a.rope, sn_in[j]);
+  }
   if (has_norm) {
     // The pairwise tree of the row's squares (device_common.cuh): slot s holds chunks 32s ..
     // 32s + 31, one subtree of 256 elements; chunks past the row enter as +0.
@@ -316,8 +330,8 @@ __device__ __forceinline__ void rope_item(const MlaRopeCacheKernelParams& p, int
   const int hpi = p.rope_heads_per_item;
   const bool neox = p.apply_rope && a.rope.style == RopeStyle::kNeox;
 
-  float cs[kMaxRopePairsPerLane] = {};
-  float sn[kMaxRopePairsPerLane] = {};
+  uint32_t cs_in[kMaxRopePairsPerLane] = {};
+  uint32_t sn_in[kMaxRopePairsPerLane] = {};
   if (p.apply_rope) {
     // Bad positions are counted once per token, by its K item.
     const int64_t pos = clamped_position(a.positions, a.rope.max_pos, t, nullptr);
@@ -325,24 +339,30 @@ __device__ __forceinline__ void rope_item(const MlaRopeCacheKernelParams& p, int
     for (int j = 0; j < kMaxRopePairsPerLane; ++j) {
       const int pr = lane + kWarpSize * j;
       if (j < ppl && pr < half) {
-        cs[j] = load_table(a.rope, pos, pr);
-        sn[j] = load_table(a.rope, pos, half + pr);
+        cs_in[j] = start_load_table(a.rope, pos, pr);
+        sn_in[j] = start_load_table(a.rope, pos, half + pr);
       }
     }
   }
 
-  Pair<T> v[kRopeSlots];
+  PairInFlight<T> v_in[kRopeSlots];
 #pragma unroll
   for (int s = 0; s < kRopeSlots; ++s) {
     const int g = s / ppl;
     const int64_t h = h0 + g;
     const int pr = lane + kWarpSize * (s - g * ppl);
     if (g < hpi && h < H && pr < half) {
-      v[s] = load_pair<kVec>(rope_src<T>(a, decode, t, h), pair_first(neox, pr),
-                             pair_second(neox, pr, half), !neox);
+      v_in[s] = start_load_pair<kVec>(rope_src<T>(a, decode, t, h), pair_first(neox, pr),
+                                      pair_second(neox, pr, half), !neox);
     }
   }
   const Divisor q_div = make_divisor(q_scale);  // fp8 q_out only
+  float cs[kMaxRopePairsPerLane], sn[kMaxRopePairsPerLane];
+#pragma unroll
+  for (int j = 0; j < kMaxRopePairsPerLane; ++j) {
+    cs[j] = table_value(a.rope, cs_in[j]);
+    sn[j] = table_value(a.rope, sn_in[j]);
+  }
 #pragma unroll
   for (int s = 0; s < kRopeSlots; ++s) {
     const int g = s / ppl;
@@ -350,7 +370,8 @@ __device__ __forceinline__ void rope_item(const MlaRopeCacheKernelParams& p, int
     const int64_t h = h0 + g;
     const int pr = lane + kWarpSize * j;
     if (g < hpi && h < H && pr < half) {
-      const Pair<T> m = p.apply_rope ? rotate_pair(v[s], pick(cs, j), pick(sn, j)) : v[s];
+      const Pair<T> v = finish_load_pair(v_in[s]);
+      const Pair<T> m = p.apply_rope ? rotate_pair(v, pick(cs, j), pick(sn, j)) : v;
       const int64_t first = pair_first(neox, pr);
       const int64_t second = pair_second(neox, pr, half);
       if (decode) {
@@ -399,18 +420,24 @@ __device__ __forceinline__ void rope_item_chunked(const MlaRopeCacheKernelParams
   }
   cp_async_commit();
   constexpr int kPairs = kChunkElems / 2;
-  float cs[kPairs] = {};
-  float sn[kPairs] = {};
+  uint32_t cs_in[kPairs] = {};
+  uint32_t sn_in[kPairs] = {};
   if (p.apply_rope) {
     // Bad positions are counted once per token, by its K item.
     const int64_t pos = clamp_position(raw_pos, a.rope.max_pos, nullptr);
 #pragma unroll
     for (int j = 0; j < kPairs; ++j) {
-      cs[j] = load_table(a.rope, pos, c * kPairs + j);
-      sn[j] = load_table(a.rope, pos, half + c * kPairs + j);
+      cs_in[j] = start_load_table(a.rope, pos, c * kPairs + j);
+      sn_in[j] = start_load_table(a.rope, pos, half + c * kPairs + j);
     }
   }
   const Divisor q_div = make_divisor(q_scale);  // fp8 q_out only
+  float cs[kPairs], sn[kPairs];
+#pragma unroll
+  for (int j = 0; j < kPairs; ++j) {
+    cs[j] = table_value(a.rope, cs_in[j]);
+    sn[j] = table_value(a.rope, sn_in[j]);
+  }
   // This lane's own chunks have landed after the wait.
   cp_async_wait_all();
   // Each slot rotated by kRound's rounding (rotate_chunk: hardware or rotate_pair's), encoded and

@@ -50,33 +50,38 @@ __global__ void __launch_bounds__(kRmsThreads)
   num::PairwiseMerger merger;
   for (int64_t seg = 0; seg < N; seg += kRmsSegment) {
     const int64_t chunk0 = seg / kChunkElems;
-    float part[kRmsSlots];
+    // Every load of the segment issued before the first square (vec.cuh ChunkInFlight).
+    ChunkInFlight<kVec, T> x_in[kRmsSlots];
 #pragma unroll
     for (int s = 0; s < kRmsSlots; ++s) {
       const int64_t k = chunk0 + lane + kWarpSize * s;
-      float v = 0.0f;
       if (k < num_chunks) {
         const int64_t e0 = k * kChunkElems;
         const int n = N - e0 < kChunkElems ? static_cast<int>(N - e0) : kChunkElems;
-        v = chunk_square_sum(load_chunk<kVec>(in + e0, n));  // missing elements: +0
+        x_in[s] = start_load_chunk<kVec>(in + e0, n);  // missing elements: +0
       }
-      part[s] = v;
+    }
+    float part[kRmsSlots];
+#pragma unroll
+    for (int s = 0; s < kRmsSlots; ++s) {
+      const bool in_row = chunk0 + lane + kWarpSize * s < num_chunks;
+      part[s] = in_row ? chunk_square_sum(finish_load_chunk<kVec, T>(x_in[s])) : 0.0f;
     }
     merger.add(warp_slots_sum(part));
   }
   const float inv_rms = num::rms_inv(merger.total(), N, a.eps);
 
   for (int64_t k0 = 0; k0 < num_chunks; k0 += kWarpSize * kRmsSlots) {
-    Chunk<T> x[kRmsSlots];
-    Chunk<T> w[kRmsSlots];
+    ChunkInFlight<kVec, T> x_in[kRmsSlots];
+    ChunkInFlight<kVec, T> w_in[kRmsSlots];
 #pragma unroll
     for (int s = 0; s < kRmsSlots; ++s) {
       const int64_t k = k0 + lane + kWarpSize * s;
       if (k < num_chunks) {
         const int64_t e0 = k * kChunkElems;
         const int n = N - e0 < kChunkElems ? static_cast<int>(N - e0) : kChunkElems;
-        x[s] = load_chunk<kVec>(in + e0, n);
-        w[s] = load_chunk<kVec>(weight + e0, n);
+        x_in[s] = start_load_chunk<kVec>(in + e0, n);
+        w_in[s] = start_load_chunk<kVec>(weight + e0, n);
       }
     }
 #pragma unroll
@@ -85,11 +90,13 @@ __global__ void __launch_bounds__(kRmsThreads)
       if (k < num_chunks) {
         const int64_t e0 = k * kChunkElems;
         const int n = N - e0 < kChunkElems ? static_cast<int>(N - e0) : kChunkElems;
+        const Chunk<T> x = finish_load_chunk<kVec, T>(x_in[s]);
+        const Chunk<T> w = finish_load_chunk<kVec, T>(w_in[s]);
         Chunk<T> y;
 #pragma unroll
         for (int e = 0; e < kChunkElems; ++e) {
           y.v[e] = num::from_float<T>(
-              num::rms_apply(num::to_float(x[s].v[e]), inv_rms, num::to_float(w[s].v[e])));
+              num::rms_apply(num::to_float(x.v[e]), inv_rms, num::to_float(w.v[e])));
         }
         store_chunk<kVec>(out + e0, y, n);
       }

@@ -56,25 +56,33 @@ __global__ void __launch_bounds__(kRotaryThreads)
   const bool counts = !is_key && g0 == 0 && lane == 0;
   const int64_t pos =
       clamped_position(a.positions, a.rope.max_pos, t, counts ? p.error_counts : nullptr);
-  float cs[kRotaryMaxPairsPerLane] = {};
-  float sn[kRotaryMaxPairsPerLane] = {};
+  // Every load issued before any is used (vec.cuh ChunkInFlight: split or converted inside its
+  // guard, a value would be waited for there).
+  uint32_t cs_in[kRotaryMaxPairsPerLane] = {};
+  uint32_t sn_in[kRotaryMaxPairsPerLane] = {};
 #pragma unroll
   for (int j = 0; j < kRotaryMaxPairsPerLane; ++j) {
     const int pr = lane + kWarpSize * j;
     if (j < ppl && pr < half) {
-      cs[j] = load_table(a.rope, pos, pr);
-      sn[j] = load_table(a.rope, pos, half + pr);
+      cs_in[j] = start_load_table(a.rope, pos, pr);
+      sn_in[j] = start_load_table(a.rope, pos, half + pr);
     }
   }
-  Pair<T> v[kRotarySlots];
+  PairInFlight<T> v_in[kRotarySlots];
 #pragma unroll
   for (int s = 0; s < kRotarySlots; ++s) {
     const int g = s / ppl;
     const int pr = lane + kWarpSize * (s - g * ppl);
     if (g < hpi && h0 + g < num_heads && pr < half) {
-      v[s] = load_pair<kVec>(base + (h0 + g) * stride_head, pair_first(neox, pr),
-                             pair_second(neox, pr, half), !neox);
+      v_in[s] = start_load_pair<kVec>(base + (h0 + g) * stride_head, pair_first(neox, pr),
+                                      pair_second(neox, pr, half), !neox);
     }
+  }
+  float cs[kRotaryMaxPairsPerLane], sn[kRotaryMaxPairsPerLane];
+#pragma unroll
+  for (int j = 0; j < kRotaryMaxPairsPerLane; ++j) {
+    cs[j] = table_value(a.rope, cs_in[j]);
+    sn[j] = table_value(a.rope, sn_in[j]);
   }
 #pragma unroll
   for (int s = 0; s < kRotarySlots; ++s) {
@@ -92,7 +100,8 @@ __global__ void __launch_bounds__(kRotaryThreads)
         }
       }
       store_pair<kVec>(base + (h0 + g) * stride_head, pair_first(neox, pr),
-                       pair_second(neox, pr, half), !neox, rotate_pair(v[s], c, sv));
+                       pair_second(neox, pr, half), !neox,
+                       rotate_pair(finish_load_pair(v_in[s]), c, sv));
     }
   }
 }

@@ -46,27 +46,69 @@ template <typename T>
 constexpr int kChunkWords = static_cast<int>(sizeof(Chunk<T>) / sizeof(ChunkWord<T>));
 
 template <typename T>
+struct ChunkWords {
+  ChunkWord<T> w[kChunkWords<T>];
+};
+template <typename T>
 union ChunkBits {
   ChunkWord<T> w[kChunkWords<T>];
   Chunk<T> c;
 };
+// The access word of a pair (one access for adjacent elements with kVec).
+template <typename T>
+using PairWord = std::conditional_t<sizeof(T) == 4, uint2,
+                                    std::conditional_t<sizeof(T) == 2, uint32_t, uint16_t>>;
+template <typename T>
+union PairBits {
+  PairWord<T> w;
+  Pair<T> p;
+};
 }  // namespace detail
 
-// Loads elements [0, n) of a chunk (n == kChunkElems whenever kVec); the rest are zero bits.
+// A chunk whose load is issued but not yet split into elements: with kVec its access words as
+// loaded, else its elements (each loaded into its own register, nothing to split). A loop that
+// loads chunks under a per-lane guard (`if (k < chunks)`) keeps them in this form and splits them
+// after the loop: a 16-bit chunk split inside its guard is waited for there (ptxas puts the
+// splitting moves in the guarded block), so the loop's loads would go out one round trip after
+// another instead of together.
 template <bool kVec, typename T>
-__device__ __forceinline__ Chunk<T> load_chunk(const T* src, int n) {
+using ChunkInFlight = std::conditional_t<kVec, detail::ChunkWords<T>, Chunk<T>>;
+
+// Issues the loads of elements [0, n) of a chunk (n == kChunkElems whenever kVec); without kVec
+// the rest are zero bits.
+template <bool kVec, typename T>
+__device__ __forceinline__ ChunkInFlight<kVec, T> start_load_chunk(const T* src, int n) {
   if constexpr (kVec) {
-    detail::ChunkBits<T> u;
+    detail::ChunkWords<T> r;
     const auto* words = reinterpret_cast<const detail::ChunkWord<T>*>(src);
 #pragma unroll
-    for (int i = 0; i < detail::kChunkWords<T>; ++i) u.w[i] = words[i];
-    return u.c;
+    for (int i = 0; i < detail::kChunkWords<T>; ++i) r.w[i] = words[i];
+    return r;
   } else {
     Chunk<T> c;
 #pragma unroll
     for (int e = 0; e < kChunkElems; ++e) c.v[e] = e < n ? src[e] : T{};
     return c;
   }
+}
+
+// The elements of a chunk whose loads start_load_chunk issued (waits for them).
+template <bool kVec, typename T>
+__device__ __forceinline__ Chunk<T> finish_load_chunk(const ChunkInFlight<kVec, T>& in) {
+  if constexpr (kVec) {
+    detail::ChunkBits<T> u;
+#pragma unroll
+    for (int i = 0; i < detail::kChunkWords<T>; ++i) u.w[i] = in.w[i];
+    return u.c;
+  } else {
+    return in;
+  }
+}
+
+// Loads elements [0, n) of a chunk (n == kChunkElems whenever kVec); the rest are zero bits.
+template <bool kVec, typename T>
+__device__ __forceinline__ Chunk<T> load_chunk(const T* src, int n) {
+  return finish_load_chunk<kVec, T>(start_load_chunk<kVec>(src, n));
 }
 
 // Stores elements [0, n) of a chunk (n == kChunkElems whenever kVec).
@@ -86,13 +128,45 @@ __device__ __forceinline__ void store_chunk(T* dst, const Chunk<T>& c, int n) {
   }
 }
 
+// A pair whose load is issued but not yet split (as ChunkInFlight): its access word. Only one
+// access (kVec, adjacent elements) stays in flight; two separate elements are packed into the
+// word as they arrive (waiting for them there): holding them apart cost registers the fused
+// kernel does not have.
+template <typename T>
+struct PairInFlight {
+  detail::PairWord<T> w;
+};
+
+// Issues the loads of the pair (row[first], row[second]); `adjacent` (second == first + 1, first
+// even) allows one access when kVec.
+template <bool kVec, typename T>
+__device__ __forceinline__ PairInFlight<T> start_load_pair(const T* row, int64_t first,
+                                                           int64_t second, bool adjacent) {
+  PairInFlight<T> r;
+  if (kVec && adjacent) {
+    r.w = *reinterpret_cast<const detail::PairWord<T>*>(row + first);
+  } else {
+    detail::PairBits<T> u;
+    u.p = Pair<T>{row[first], row[second]};
+    r.w = u.w;
+  }
+  return r;
+}
+
+// The pair whose load start_load_pair issued (waits for it).
+template <typename T>
+__device__ __forceinline__ Pair<T> finish_load_pair(const PairInFlight<T>& in) {
+  detail::PairBits<T> u;
+  u.w = in.w;
+  return u.p;
+}
+
 // The pair (row[first], row[second]); `adjacent` (second == first + 1, first even) allows one
 // access when kVec.
 template <bool kVec, typename T>
 __device__ __forceinline__ Pair<T> load_pair(const T* row, int64_t first, int64_t second,
                                              bool adjacent) {
-  if (kVec && adjacent) return *reinterpret_cast<const Pair<T>*>(row + first);
-  return Pair<T>{row[first], row[second]};
+  return finish_load_pair(start_load_pair<kVec>(row, first, second, adjacent));
 }
 
 template <bool kVec, typename T>
