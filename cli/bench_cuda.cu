@@ -60,6 +60,25 @@ __global__ void __launch_bounds__(kCopyThreads)
   if (tail < bytes) dst[tail] = src[tail];
 }
 
+// Launches one of the bench's own kernels on `stream`, with programmatic dependent launch when
+// `pdl` (as the ops are launched under --pdl).
+template <typename... Params, typename... Args>
+void launch(void* stream, unsigned grid, unsigned block, bool pdl, void (*kernel)(Params...),
+            Args... args) {
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(grid);
+  config.blockDim = dim3(block);
+  config.stream = static_cast<cudaStream_t>(stream);
+  cudaLaunchAttribute attribute = {};
+  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute.val.programmaticStreamSerializationAllowed = 1;
+  if (pdl) {
+    config.attrs = &attribute;
+    config.numAttrs = 1;
+  }
+  MLAKV_CLI_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, args...));
+}
+
 // Owns a set of events, a graph and its executable; frees them on every exit path.
 struct GraphResources {
   cudaGraph_t graph = nullptr;
@@ -179,20 +198,9 @@ class CudaTimer : public Timer {
     const bool pdl = pdl_;
     return [dst, src, bytes, pdl](void* stream) {
       const size_t per_block = size_t{kCopyThreads} * kCopyVecs * 16;
-      cudaLaunchConfig_t config = {};
-      config.gridDim =
-          dim3(static_cast<unsigned>(std::max<size_t>(1, (bytes + per_block - 1) / per_block)));
-      config.blockDim = dim3(kCopyThreads);
-      config.stream = static_cast<cudaStream_t>(stream);
-      cudaLaunchAttribute attribute = {};
-      attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-      attribute.val.programmaticStreamSerializationAllowed = 1;
-      if (pdl) {
-        config.attrs = &attribute;
-        config.numAttrs = 1;
-      }
-      MLAKV_CLI_CUDA_CHECK(cudaLaunchKernelEx(&config, copy_kernel, static_cast<uint8_t*>(dst),
-                                              static_cast<const uint8_t*>(src), bytes));
+      const size_t grid = std::max<size_t>(1, (bytes + per_block - 1) / per_block);
+      launch(stream, static_cast<unsigned>(grid), kCopyThreads, pdl, copy_kernel,
+             static_cast<uint8_t*>(dst), static_cast<const uint8_t*>(src), bytes);
     };
   }
 
@@ -207,20 +215,7 @@ class CudaTimer : public Timer {
 
   Op empty_op() override {
     const bool pdl = pdl_;
-    return [pdl](void* stream) {
-      cudaLaunchConfig_t config = {};
-      config.gridDim = dim3(1);
-      config.blockDim = dim3(32);
-      config.stream = static_cast<cudaStream_t>(stream);
-      cudaLaunchAttribute attribute = {};
-      attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-      attribute.val.programmaticStreamSerializationAllowed = 1;
-      if (pdl) {
-        config.attrs = &attribute;
-        config.numAttrs = 1;
-      }
-      MLAKV_CLI_CUDA_CHECK(cudaLaunchKernelEx(&config, empty_kernel));
-    };
+    return [pdl](void* stream) { launch(stream, 1, 32, pdl, empty_kernel); };
   }
 
   // Several times the H200's 60 MB L2.
