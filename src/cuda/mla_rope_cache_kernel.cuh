@@ -157,16 +157,18 @@ __device__ __forceinline__ void k_side_item(const MlaRopeCacheKernelParams& p, i
   }
 
   // After the loads are in flight: the scale's divisor (fp8 caches; unused and dropped otherwise),
-  // then the rows split into elements (lanes past the row split bits they never use).
+  // then the rows split into elements.
   const Divisor cache_div = make_divisor(cache_scale);
   Chunk<T> x[kMaxLatentChunksPerLane];
 #pragma unroll
-  for (int s = 0; s < kMaxLatentChunksPerLane; ++s) x[s] = finish_load_chunk<kVec, T>(x_in[s]);
+  for (int s = 0; s < kMaxLatentChunksPerLane; ++s) {
+    if (lane + kWarpSize * s < cpr) x[s] = finish_load_chunk<kVec, T>(x_in[s]);
+  }
   Pair<T> r[kMaxRopePairsPerLane];
   float cs[kMaxRopePairsPerLane], sn[kMaxRopePairsPerLane];
 #pragma unroll
   for (int j = 0; j < kMaxRopePairsPerLane; ++j) {
-    r[j] = finish_load_pair(r_in[j]);
+    if (lane + kWarpSize * j < half) r[j] = finish_load_pair(r_in[j]);
     cs[j] = table_value(a.rope, cs_in[j]);
     sn[j] = table_value(a.rope, sn_in[j]);
   }
