@@ -90,12 +90,6 @@ __device__ __forceinline__ float table_value(const core::RopeTableArg& rope, uin
   }
 }
 
-// Entry `col` of table row `pos` as float.
-__device__ __forceinline__ float load_table(const core::RopeTableArg& rope, int64_t pos,
-                                            int64_t col) {
-  return table_value(rope, start_load_table(rope, pos, col));
-}
-
 // Pair p of a rope row: GPT-J (2p, 2p + 1), NeoX (p, p + half).
 __device__ __forceinline__ int64_t pair_first(bool neox, int64_t p) { return neox ? p : 2 * p; }
 __device__ __forceinline__ int64_t pair_second(bool neox, int64_t p, int64_t half) {

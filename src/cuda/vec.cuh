@@ -161,14 +161,8 @@ __device__ __forceinline__ Pair<T> finish_load_pair(const PairInFlight<T>& in) {
   return u.p;
 }
 
-// The pair (row[first], row[second]); `adjacent` (second == first + 1, first even) allows one
-// access when kVec.
-template <bool kVec, typename T>
-__device__ __forceinline__ Pair<T> load_pair(const T* row, int64_t first, int64_t second,
-                                             bool adjacent) {
-  return finish_load_pair(start_load_pair<kVec>(row, first, second, adjacent));
-}
-
+// Stores the pair at (row[first], row[second]); `adjacent` (second == first + 1, first even)
+// allows one access when kVec.
 template <bool kVec, typename T>
 __device__ __forceinline__ void store_pair(T* row, int64_t first, int64_t second, bool adjacent,
                                            const Pair<T>& p) {
