@@ -61,7 +61,8 @@ __global__ void __launch_bounds__(kCopyThreads)
 }
 
 // Launches one of the bench's own kernels on `stream`, with programmatic dependent launch when
-// `pdl` (as the ops are launched under --pdl).
+// `pdl` (as the ops are launched under --pdl; the library's launch_kernel in src/cuda/cuda_utils.h
+// is internal to the library).
 template <typename... Params, typename... Args>
 void launch(void* stream, unsigned grid, unsigned block, bool pdl, void (*kernel)(Params...),
             Args... args) {
@@ -199,6 +200,7 @@ class CudaTimer : public Timer {
     return [dst, src, bytes, pdl](void* stream) {
       const size_t per_block = size_t{kCopyThreads} * kCopyVecs * 16;
       const size_t grid = std::max<size_t>(1, (bytes + per_block - 1) / per_block);
+      MLAKV_CHECK(grid <= 0x7fffffff, "kernel_copy_op: ", bytes, " bytes exceed one launch");
       launch(stream, static_cast<unsigned>(grid), kCopyThreads, pdl, copy_kernel,
              static_cast<uint8_t*>(dst), static_cast<const uint8_t*>(src), bytes);
     };

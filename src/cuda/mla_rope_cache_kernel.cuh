@@ -132,13 +132,13 @@ __device__ __forceinline__ void k_side_item(const MlaRopeCacheKernelParams& p, i
   }
   if (kVec && has_norm) cp_async_commit();
   const T* k_pe = static_cast<const T*>(a.k_pe) + t * a.stride_k_pe_token;
-  PairInFlight<T> r_in[kMaxRopePairsPerLane];
+  PairInFlight<kVec, T> r_in[kMaxRopePairsPerLane];
 #pragma unroll
   for (int j = 0; j < kMaxRopePairsPerLane; ++j) {
     const int pr = lane + kWarpSize * j;
     if (pr < half) {
-      r_in[j] =
-          start_load_pair<kVec>(k_pe, pair_first(neox, pr), pair_second(neox, pr, half), !neox);
+      r_in[j] = start_load_pair_packed<kVec>(k_pe, pair_first(neox, pr),
+                                             pair_second(neox, pr, half), !neox);
     }
   }
   uint32_t cs_in[kMaxRopePairsPerLane] = {};
@@ -168,7 +168,7 @@ __device__ __forceinline__ void k_side_item(const MlaRopeCacheKernelParams& p, i
   float cs[kMaxRopePairsPerLane], sn[kMaxRopePairsPerLane];
 #pragma unroll
   for (int j = 0; j < kMaxRopePairsPerLane; ++j) {
-    if (lane + kWarpSize * j < half) r[j] = finish_load_pair(r_in[j]);
+    if (lane + kWarpSize * j < half) r[j] = finish_load_pair<kVec, T>(r_in[j]);
     cs[j] = table_value(a.rope, cs_in[j]);
     sn[j] = table_value(a.rope, sn_in[j]);
   }
@@ -324,7 +324,10 @@ template <typename T, typename QOut, bool kVec>
 __device__ __forceinline__ void rope_item(const MlaRopeCacheKernelParams& p, int64_t i, int64_t td,
                                           float q_scale, int lane) {
   const core::MlaRopeCacheArgs& a = p.args;
-  const auto [t, h0, decode] = rope_item_place(p, i, td);
+  // Named members, not a structured binding: the lambda below captures them (C++17).
+  const RopeItemPlace place = rope_item_place(p, i, td);
+  const int64_t t = place.t, h0 = place.h0;
+  const bool decode = place.decode;
   if (decode ? a.q_out == nullptr : a.q == nullptr) return;
   const int64_t H = a.num_heads;
   const int half = static_cast<int>(a.rope_dim / 2);
@@ -347,42 +350,52 @@ __device__ __forceinline__ void rope_item(const MlaRopeCacheKernelParams& p, int
     }
   }
 
-  PairInFlight<T> v_in[kRopeSlots];
+  // The pairs in the form of their layout (vec.cuh PairInFlight), all in flight before the first
+  // is split.
+  auto rotate_pairs = [&](auto one_access_tag) {
+    constexpr bool kOneAccess = decltype(one_access_tag)::value;
+    PairInFlight<kOneAccess, T> v_in[kRopeSlots];
 #pragma unroll
-  for (int s = 0; s < kRopeSlots; ++s) {
-    const int g = s / ppl;
-    const int64_t h = h0 + g;
-    const int pr = lane + kWarpSize * (s - g * ppl);
-    if (g < hpi && h < H && pr < half) {
-      v_in[s] = start_load_pair<kVec>(rope_src<T>(a, decode, t, h), pair_first(neox, pr),
-                                      pair_second(neox, pr, half), !neox);
-    }
-  }
-  const Divisor q_div = make_divisor(q_scale);  // fp8 q_out only
-  float cs[kMaxRopePairsPerLane], sn[kMaxRopePairsPerLane];
-#pragma unroll
-  for (int j = 0; j < kMaxRopePairsPerLane; ++j) {
-    cs[j] = table_value(a.rope, cs_in[j]);
-    sn[j] = table_value(a.rope, sn_in[j]);
-  }
-#pragma unroll
-  for (int s = 0; s < kRopeSlots; ++s) {
-    const int g = s / ppl;
-    const int j = s - g * ppl;
-    const int64_t h = h0 + g;
-    const int pr = lane + kWarpSize * j;
-    if (g < hpi && h < H && pr < half) {
-      const Pair<T> v = finish_load_pair(v_in[s]);
-      const Pair<T> m = p.apply_rope ? rotate_pair(v, pick(cs, j), pick(sn, j)) : v;
-      const int64_t first = pair_first(neox, pr);
-      const int64_t second = pair_second(neox, pr, half);
-      if (decode) {
-        store_pair<kVec>(rope_dst<QOut>(a, true, t, h), first, second, !neox,
-                         encode_pair<QOut>(m, q_div));
-      } else {
-        store_pair<kVec>(rope_dst<T>(a, false, t, h), first, second, !neox, m);
+    for (int s = 0; s < kRopeSlots; ++s) {
+      const int g = s / ppl;
+      const int64_t h = h0 + g;
+      const int pr = lane + kWarpSize * (s - g * ppl);
+      if (g < hpi && h < H && pr < half) {
+        v_in[s] = start_load_pair<kOneAccess>(rope_src<T>(a, decode, t, h), pair_first(neox, pr),
+                                              pair_second(neox, pr, half));
       }
     }
+    const Divisor q_div = make_divisor(q_scale);  // fp8 q_out only
+    float cs[kMaxRopePairsPerLane], sn[kMaxRopePairsPerLane];
+#pragma unroll
+    for (int j = 0; j < kMaxRopePairsPerLane; ++j) {
+      cs[j] = table_value(a.rope, cs_in[j]);
+      sn[j] = table_value(a.rope, sn_in[j]);
+    }
+#pragma unroll
+    for (int s = 0; s < kRopeSlots; ++s) {
+      const int g = s / ppl;
+      const int j = s - g * ppl;
+      const int64_t h = h0 + g;
+      const int pr = lane + kWarpSize * j;
+      if (g < hpi && h < H && pr < half) {
+        const Pair<T> v = finish_load_pair<kOneAccess, T>(v_in[s]);
+        const Pair<T> m = p.apply_rope ? rotate_pair(v, pick(cs, j), pick(sn, j)) : v;
+        const int64_t first = pair_first(neox, pr);
+        const int64_t second = pair_second(neox, pr, half);
+        if (decode) {
+          store_pair<kVec>(rope_dst<QOut>(a, true, t, h), first, second, !neox,
+                           encode_pair<QOut>(m, q_div));
+        } else {
+          store_pair<kVec>(rope_dst<T>(a, false, t, h), first, second, !neox, m);
+        }
+      }
+    }
+  };
+  if (neox) {
+    rotate_pairs(std::false_type{});
+  } else {
+    rotate_pairs(std::integral_constant<bool, kVec>{});
   }
 }
 

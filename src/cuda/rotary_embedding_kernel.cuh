@@ -14,6 +14,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "cuda/cuda_utils.h"
 #include "cuda/device_common.cuh"
@@ -68,41 +69,50 @@ __global__ void __launch_bounds__(kRotaryThreads)
       sn_in[j] = start_load_table(a.rope, pos, half + pr);
     }
   }
-  PairInFlight<T> v_in[kRotarySlots];
+  // The pairs in the form of their layout (vec.cuh PairInFlight).
+  auto rotate_pairs = [&](auto one_access_tag) {
+    constexpr bool kOneAccess = decltype(one_access_tag)::value;
+    PairInFlight<kOneAccess, T> v_in[kRotarySlots];
 #pragma unroll
-  for (int s = 0; s < kRotarySlots; ++s) {
-    const int g = s / ppl;
-    const int pr = lane + kWarpSize * (s - g * ppl);
-    if (g < hpi && h0 + g < num_heads && pr < half) {
-      v_in[s] = start_load_pair<kVec>(base + (h0 + g) * stride_head, pair_first(neox, pr),
-                                      pair_second(neox, pr, half), !neox);
-    }
-  }
-  float cs[kRotaryMaxPairsPerLane], sn[kRotaryMaxPairsPerLane];
-#pragma unroll
-  for (int j = 0; j < kRotaryMaxPairsPerLane; ++j) {
-    cs[j] = table_value(a.rope, cs_in[j]);
-    sn[j] = table_value(a.rope, sn_in[j]);
-  }
-#pragma unroll
-  for (int s = 0; s < kRotarySlots; ++s) {
-    const int g = s / ppl;
-    const int j = s - g * ppl;
-    const int pr = lane + kWarpSize * j;
-    if (g < hpi && h0 + g < num_heads && pr < half) {
-      float c = cs[0];
-      float sv = sn[0];
-#pragma unroll
-      for (int q = 1; q < kRotaryMaxPairsPerLane; ++q) {
-        if (j == q) {
-          c = cs[q];
-          sv = sn[q];
-        }
+    for (int s = 0; s < kRotarySlots; ++s) {
+      const int g = s / ppl;
+      const int pr = lane + kWarpSize * (s - g * ppl);
+      if (g < hpi && h0 + g < num_heads && pr < half) {
+        v_in[s] = start_load_pair<kOneAccess>(base + (h0 + g) * stride_head, pair_first(neox, pr),
+                                              pair_second(neox, pr, half));
       }
-      store_pair<kVec>(base + (h0 + g) * stride_head, pair_first(neox, pr),
-                       pair_second(neox, pr, half), !neox,
-                       rotate_pair(finish_load_pair(v_in[s]), c, sv));
     }
+    float cs[kRotaryMaxPairsPerLane], sn[kRotaryMaxPairsPerLane];
+#pragma unroll
+    for (int j = 0; j < kRotaryMaxPairsPerLane; ++j) {
+      cs[j] = table_value(a.rope, cs_in[j]);
+      sn[j] = table_value(a.rope, sn_in[j]);
+    }
+#pragma unroll
+    for (int s = 0; s < kRotarySlots; ++s) {
+      const int g = s / ppl;
+      const int j = s - g * ppl;
+      const int pr = lane + kWarpSize * j;
+      if (g < hpi && h0 + g < num_heads && pr < half) {
+        float c = cs[0];
+        float sv = sn[0];
+#pragma unroll
+        for (int q = 1; q < kRotaryMaxPairsPerLane; ++q) {
+          if (j == q) {
+            c = cs[q];
+            sv = sn[q];
+          }
+        }
+        store_pair<kVec>(base + (h0 + g) * stride_head, pair_first(neox, pr),
+                         pair_second(neox, pr, half), !neox,
+                         rotate_pair(finish_load_pair<kOneAccess, T>(v_in[s]), c, sv));
+      }
+    }
+  };
+  if (neox) {
+    rotate_pairs(std::false_type{});
+  } else {
+    rotate_pairs(std::integral_constant<bool, kVec>{});
   }
 }
 

@@ -59,6 +59,10 @@ template <typename T>
 using PairWord = std::conditional_t<sizeof(T) == 4, uint2,
                                     std::conditional_t<sizeof(T) == 2, uint32_t, uint16_t>>;
 template <typename T>
+struct PairWords {
+  PairWord<T> w;
+};
+template <typename T>
 union PairBits {
   PairWord<T> w;
   Pair<T> p;
@@ -128,37 +132,54 @@ __device__ __forceinline__ void store_chunk(T* dst, const Chunk<T>& c, int n) {
   }
 }
 
-// A pair whose load is issued but not yet split (as ChunkInFlight): its access word. Only one
-// access (kVec, adjacent elements) stays in flight; two separate elements are packed into the
-// word as they arrive (waiting for them there): holding them apart cost registers the fused
-// kernel does not have.
-template <typename T>
-struct PairInFlight {
-  detail::PairWord<T> w;
-};
+// A pair whose loads are issued but not yet split (as ChunkInFlight). kOneAccess (kVec and
+// adjacent elements, GPT-J): its one access word, split by finish_load_pair; else its two
+// elements, each loaded into its own register (nothing to split). A loop over several pairs picks
+// the form at compile time: one form for both would have to pack two separate elements into the
+// word inside their guard, waiting for them there.
+template <bool kOneAccess, typename T>
+using PairInFlight = std::conditional_t<kOneAccess, detail::PairWords<T>, Pair<T>>;
 
-// Issues the loads of the pair (row[first], row[second]); `adjacent` (second == first + 1, first
-// even) allows one access when kVec.
-template <bool kVec, typename T>
-__device__ __forceinline__ PairInFlight<T> start_load_pair(const T* row, int64_t first,
-                                                           int64_t second, bool adjacent) {
-  PairInFlight<T> r;
-  if (kVec && adjacent) {
-    r.w = *reinterpret_cast<const detail::PairWord<T>*>(row + first);
+// Issues the loads of the pair (row[first], row[second]); kOneAccess needs second == first + 1,
+// first even and kVec's alignment.
+template <bool kOneAccess, typename T>
+__device__ __forceinline__ PairInFlight<kOneAccess, T> start_load_pair(const T* row, int64_t first,
+                                                                       int64_t second) {
+  if constexpr (kOneAccess) {
+    return detail::PairWords<T>{*reinterpret_cast<const detail::PairWord<T>*>(row + first)};
   } else {
-    detail::PairBits<T> u;
-    u.p = Pair<T>{row[first], row[second]};
-    r.w = u.w;
+    return Pair<T>{row[first], row[second]};
   }
-  return r;
 }
 
-// The pair whose load start_load_pair issued (waits for it).
-template <typename T>
-__device__ __forceinline__ Pair<T> finish_load_pair(const PairInFlight<T>& in) {
-  detail::PairBits<T> u;
-  u.w = in.w;
-  return u.p;
+// The pair whose loads start_load_pair issued (waits for them).
+template <bool kOneAccess, typename T>
+__device__ __forceinline__ Pair<T> finish_load_pair(const PairInFlight<kOneAccess, T>& in) {
+  if constexpr (kOneAccess) {
+    detail::PairBits<T> u;
+    u.w = in.w;
+    return u.p;
+  } else {
+    return in;
+  }
+}
+
+// The K item's form, one type for both layouts: with kVec, adjacent elements are one access kept
+// in flight, and two separate elements are packed into the word as they arrive (waiting for them
+// there; the K item waits for every load at its position's clamp right after, and holding the two
+// forms apart cost the fused kernel registers it does not have).
+template <bool kVec, typename T>
+__device__ __forceinline__ PairInFlight<kVec, T> start_load_pair_packed(const T* row, int64_t first,
+                                                                        int64_t second,
+                                                                        bool adjacent) {
+  if constexpr (kVec) {
+    if (adjacent) return start_load_pair<true>(row, first, second);
+    detail::PairBits<T> u;
+    u.p = Pair<T>{row[first], row[second]};
+    return detail::PairWords<T>{u.w};
+  } else {
+    return start_load_pair<false>(row, first, second);
+  }
 }
 
 // Stores the pair at (row[first], row[second]); `adjacent` (second == first + 1, first even)
