@@ -90,6 +90,14 @@ __device__ __forceinline__ float table_value(const core::RopeTableArg& rope, uin
   }
 }
 
+// The values of the N table entries whose bits start_load_table loaded (waits for them).
+template <int N>
+__device__ __forceinline__ void table_values(const core::RopeTableArg& rope,
+                                             const uint32_t (&bits)[N], float (&values)[N]) {
+#pragma unroll
+  for (int j = 0; j < N; ++j) values[j] = table_value(rope, bits[j]);
+}
+
 // Pair p of a rope row: GPT-J (2p, 2p + 1), NeoX (p, p + half).
 __device__ __forceinline__ int64_t pair_first(bool neox, int64_t p) { return neox ? p : 2 * p; }
 __device__ __forceinline__ int64_t pair_second(bool neox, int64_t p, int64_t half) {

@@ -165,13 +165,13 @@ __device__ __forceinline__ void k_side_item(const MlaRopeCacheKernelParams& p, i
     if (lane + kWarpSize * s < cpr) x[s] = finish_load_chunk<kVec, T>(x_in[s]);
   }
   Pair<T> r[kMaxRopePairsPerLane];
-  float cs[kMaxRopePairsPerLane], sn[kMaxRopePairsPerLane];
 #pragma unroll
   for (int j = 0; j < kMaxRopePairsPerLane; ++j) {
     if (lane + kWarpSize * j < half) r[j] = finish_load_pair<kVec, T>(r_in[j]);
-    cs[j] = table_value(a.rope, cs_in[j]);
-    sn[j] = table_value(a.rope, sn_in[j]);
   }
+  float cs[kMaxRopePairsPerLane], sn[kMaxRopePairsPerLane];
+  table_values(a.rope, cs_in, cs);
+  table_values(a.rope, sn_in, sn);
   if (has_norm) {
     // The pairwise tree of the row's squares (device_common.cuh): slot s holds chunks 32s ..
     // 32s + 31, one subtree of 256 elements; chunks past the row enter as +0.
@@ -367,11 +367,8 @@ __device__ __forceinline__ void rope_item(const MlaRopeCacheKernelParams& p, int
     }
     const Divisor q_div = make_divisor(q_scale);  // fp8 q_out only
     float cs[kMaxRopePairsPerLane], sn[kMaxRopePairsPerLane];
-#pragma unroll
-    for (int j = 0; j < kMaxRopePairsPerLane; ++j) {
-      cs[j] = table_value(a.rope, cs_in[j]);
-      sn[j] = table_value(a.rope, sn_in[j]);
-    }
+    table_values(a.rope, cs_in, cs);
+    table_values(a.rope, sn_in, sn);
 #pragma unroll
     for (int s = 0; s < kRopeSlots; ++s) {
       const int g = s / ppl;
@@ -448,11 +445,8 @@ __device__ __forceinline__ void rope_item_chunked(const MlaRopeCacheKernelParams
   }
   const Divisor q_div = make_divisor(q_scale);  // fp8 q_out only
   float cs[kPairs], sn[kPairs];
-#pragma unroll
-  for (int j = 0; j < kPairs; ++j) {
-    cs[j] = table_value(a.rope, cs_in[j]);
-    sn[j] = table_value(a.rope, sn_in[j]);
-  }
+  table_values(a.rope, cs_in, cs);
+  table_values(a.rope, sn_in, sn);
   // This lane's own chunks have landed after the wait.
   cp_async_wait_all();
   // Each slot rotated by kRound's rounding (rotate_chunk: hardware or rotate_pair's), encoded and

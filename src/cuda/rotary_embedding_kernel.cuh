@@ -83,11 +83,8 @@ __global__ void __launch_bounds__(kRotaryThreads)
       }
     }
     float cs[kRotaryMaxPairsPerLane], sn[kRotaryMaxPairsPerLane];
-#pragma unroll
-    for (int j = 0; j < kRotaryMaxPairsPerLane; ++j) {
-      cs[j] = table_value(a.rope, cs_in[j]);
-      sn[j] = table_value(a.rope, sn_in[j]);
-    }
+    table_values(a.rope, cs_in, cs);
+    table_values(a.rope, sn_in, sn);
 #pragma unroll
     for (int s = 0; s < kRotarySlots; ++s) {
       const int g = s / ppl;
