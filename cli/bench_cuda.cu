@@ -22,13 +22,16 @@ namespace mlakv {
 namespace cli {
 namespace {
 
-// The launch floor's kernel: nothing but the dependent-launch handshake every op does first.
-__global__ void empty_kernel() {
+// The dependent-launch handshake every op does first (a no-op when launched without PDL).
+__device__ __forceinline__ void dependent_launch_handshake() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");
   asm volatile("griddepcontrol.launch_dependents;" :::);
 #endif
 }
+
+// The launch floor's kernel: nothing but the handshake.
+__global__ void empty_kernel() { dependent_launch_handshake(); }
 
 // The copy reference's kernel: a plain streaming copy, kCopyVecs 16-byte vectors a thread (all
 // loads issued before the first store), then the last bytes % 16 bytes by the first threads.
@@ -39,10 +42,7 @@ constexpr int kCopyVecs = 4;
 
 __global__ void __launch_bounds__(kCopyThreads)
     copy_kernel(uint8_t* __restrict__ dst, const uint8_t* __restrict__ src, size_t bytes) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-  asm volatile("griddepcontrol.launch_dependents;" :::);
-#endif
+  dependent_launch_handshake();
   const size_t vecs = bytes / 16;
   const size_t first = static_cast<size_t>(blockIdx.x) * kCopyThreads * kCopyVecs + threadIdx.x;
   uint4 v[kCopyVecs];
