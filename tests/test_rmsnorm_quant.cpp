@@ -923,12 +923,14 @@ TEST_P(RmsNormQuantTest, DualForm) {
 // a thread while the whole grid has at most kRmsqOneChunkMaxBlocks = 768 blocks ({3, 1201}: 603,
 // {768, 768}: 768, one chunk in every dtype), for 16-bit rows at most 8 a multiprocessor (1056 on
 // an H200: {770, 768} 769, {1601, 3} and {3, 1601} 803, {2101, 3} 1053 blocks take one chunk for
-// 16-bit rows, two for fp32), else two while q_c has at most 2048 ({2201, 3}: 1103), else three
-// ({4097, 3}).
+// 16-bit rows; for fp32 {1601, 3} takes two, {2101, 3} three), else two while q_c has at most
+// kRmsqDualTwoChunksMaxBlocks = 1024 ({2047, 200}: 1124 blocks, q_c's 1024), else three
+// ({2201, 3}: q_c's 1101; {4097, 3}).
 TEST_P(RmsNormQuantTest, DualFormTokenCounts) {
   uint64_t seed = 1300;
-  const int64_t counts[][2] = {{5, 3},    {0, 4},    {3, 0},     {2, 7},     {1601, 3}, {4097, 3},
-                               {3, 1601}, {3, 1201}, {768, 768}, {770, 768}, {2101, 3}, {2201, 3}};
+  const int64_t counts[][2] = {{5, 3},    {0, 4},    {3, 0},     {2, 7},     {1601, 3},
+                               {4097, 3}, {3, 1601}, {3, 1201},  {768, 768}, {770, 768},
+                               {2101, 3}, {2201, 3}, {2047, 200}};
   for (DType dt : {DType::kBFloat16, DType::kFloat16, DType::kFloat32}) {
     for (const auto& tc : counts) {
       Case qc;

@@ -43,7 +43,7 @@ void launch_rows(const RmsNormQuantKernelParams& params, int64_t num_blocks0, in
     }
   }
   if constexpr (kTwoChunks > kFew && kTwoChunks * 2 * kChunkElems == kN0) {
-    if (num_blocks0 <= kRmsqTwoChunksMaxBlocks) {
+    if (num_blocks0 <= (kN1 > 0 ? kRmsqDualTwoChunksMaxBlocks : kRmsqTwoChunksMaxBlocks)) {
       launch_rmsnorm_quant_rows_kernel<T, kN0, kN1, kTwoChunks, kTwo1>(params, total,
                                                                        max_norm_hidden, launch);
       return;

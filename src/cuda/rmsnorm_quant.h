@@ -52,13 +52,14 @@ constexpr int kRmsqRowsPerBlock = 2;
 // The exact-fit kernel's thread forms (the dual form's kv_c blocks always run one chunk a thread
 // on their first N1 / 8 threads): while the whole grid has at most kRmsqOneChunkMaxBlocks blocks
 // (q_c alone: T <= 1536; the 16-bit dual form: see below), one chunk a thread (N0 / 8 threads);
-// else while task 0 (q_c) has at most kRmsqTwoChunksMaxBlocks (T0 <= 4096), two (N0 / 16, where
-// that is more than rmsq_rows_threads); above, rmsq_rows_threads's few threads of up to 4
-// chunks. A small grid's time is one block's chain of dependent instructions, which a wider block
-// shortens, as long as the grid's blocks are all resident at once; a large grid's is its memory
-// traffic, moved with fewer instructions by fewer threads. On the H200 (q_c, N = 1536, docs/
-// perf-notes.md, seventh and eighth sessions): T = 1 2.8 -> 2.2 us, T = 1024 5.3 -> 4.8 us,
-// T = 2048 7.2 -> 6.9 us with the forms, T = 16384 unchanged.
+// else while task 0 (q_c) has at most kRmsqTwoChunksMaxBlocks (q_c alone: T <= 4096; the dual
+// form: kRmsqDualTwoChunksMaxBlocks, T0 <= 2048), two (N0 / 16, where that is more than
+// rmsq_rows_threads); above, rmsq_rows_threads's few threads of up to 4 chunks. A small grid's time
+// is one block's chain of dependent instructions, which a wider block shortens, as long as the
+// grid's blocks are all resident at once; a large grid's is its memory traffic, moved with fewer
+// instructions by fewer threads. On the H200 (q_c, N = 1536, docs/perf-notes.md, seventh and
+// eighth sessions): T = 1 2.8 -> 2.2 us, T = 1024 5.3 -> 4.8 us, T = 2048 7.2 -> 6.9 us with the
+// forms, T = 16384 unchanged.
 constexpr int64_t kRmsqOneChunkMaxBlocks = 768;
 // The dual form's one-chunk instance for 16-bit rows is compiled for this many resident blocks a
 // multiprocessor (rmsnorm_quant_rows_kernel_bounded: at most 40 registers for 192 threads; fp32
@@ -73,6 +74,11 @@ constexpr int kRmsqDualOneChunkBlocksPerSm = 8;
 template <typename T, int kN0, int kN1, int kThreads0>
 constexpr bool kRmsqRowsBounded = kN1 > 0 && kThreads0 * 8 == kN0 && sizeof(T) == 2;
 constexpr int64_t kRmsqTwoChunksMaxBlocks = 2048;
+// The dual form leaves the two-chunk form at half that: its kv_c blocks double the grid, and
+// there the few-thread form's smaller blocks (more resident a multiprocessor) take fewer waves.
+// On the H200 (docs/perf-notes.md, twelfth session): T = 4096 11.3 -> 11.0 us in the few-thread
+// form, T = 3072 within 1 % either way.
+constexpr int64_t kRmsqDualTwoChunksMaxBlocks = 1024;
 constexpr int rmsq_rows_threads(int N0, int N1) {
   return static_cast<int>(rmsq_threads_for((N0 > N1 ? N0 : N1) / 8));
 }
