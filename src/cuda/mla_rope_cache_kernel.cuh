@@ -389,11 +389,7 @@ __device__ __forceinline__ void rope_item(const MlaRopeCacheKernelParams& p, int
       }
     }
   };
-  if (neox) {
-    rotate_pairs(std::false_type{});
-  } else {
-    rotate_pairs(std::integral_constant<bool, kVec>{});
-  }
+  with_pair_form<kVec>(neox, rotate_pairs);
 }
 
 // Rope item i of the chunked path (GPT-J or no rotation, kVec, R / 8 divides 32; decided on the

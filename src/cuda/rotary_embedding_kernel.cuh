@@ -106,11 +106,7 @@ __global__ void __launch_bounds__(kRotaryThreads)
       }
     }
   };
-  if (neox) {
-    rotate_pairs(std::false_type{});
-  } else {
-    rotate_pairs(std::integral_constant<bool, kVec>{});
-  }
+  with_pair_form<kVec>(neox, rotate_pairs);
 }
 
 template <typename T, bool kVec>

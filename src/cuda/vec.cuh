@@ -164,6 +164,18 @@ __device__ __forceinline__ Pair<T> finish_load_pair(const PairInFlight<kOneAcces
   }
 }
 
+// Calls f with the pair form of a loop over several pairs, as a std::integral_constant<bool, ...>
+// tag: one access (kOneAccess) for GPT-J's adjacent pairs under kVec, two elements for NeoX's
+// (neox: the pair's elements are half a head apart).
+template <bool kVec, typename F>
+__device__ __forceinline__ void with_pair_form(bool neox, F&& f) {
+  if (neox) {
+    f(std::false_type{});
+  } else {
+    f(std::integral_constant<bool, kVec>{});
+  }
+}
+
 // The K item's form, one type for both layouts: with kVec, adjacent elements are one access kept
 // in flight, and two separate elements are packed into the word as they arrive (waiting for them
 // there; the K item waits for every load at its position's clamp right after, and holding the two
