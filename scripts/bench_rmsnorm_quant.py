@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 import mlakv
-from mlakv.bench import copy_fns
+from mlakv.bench import copy_fns, graph_call_times
 
 _ops = torch.ops.mlakv
 G = 128
@@ -64,31 +64,11 @@ def copy_bandwidth(device):
 
 
 def time_calls(make_call, num_sets, reps=20, replays=15):
-    """Seconds per call (median, p10, p90): `reps` calls cycling over `num_sets` buffer sets are
-    captured in one CUDA graph, and each replay is timed with CUDA events."""
+    """Seconds per call (median, p10, p90): `reps` calls cycling over `num_sets` buffer sets,
+    captured in one CUDA graph and timed inside it (mlakv.bench.graph_call_times), one value per
+    replay."""
     calls = [make_call(i) for i in range(num_sets)]
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for c in calls:  # warm-up (and torch.compile) outside the capture
-            c()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for r in range(reps):
-            calls[r % num_sets]()
-    graph.replay()
-    torch.cuda.synchronize()
-    per_call = []
-    for _ in range(replays):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        graph.replay()
-        e.record()
-        e.synchronize()
-        per_call.append(s.elapsed_time(e) * 1e-3 / reps)
-    per_call.sort()
+    per_call = sorted(graph_call_times([calls[r % num_sets] for r in range(reps)], replays))
     q = lambda f: per_call[min(len(per_call) - 1, int(f * len(per_call)))]
     return statistics.median(per_call), q(0.1), q(0.9)
 

@@ -100,34 +100,59 @@ class Step:
                                         cache, self.q_pe, self.q_out, kv_cache_scale=self.scale)
 
 
+def graph_call_times(calls, replays, lead=1):
+    """Seconds per call, one value per replay: `calls` (zero-argument callables) captured in order
+    in one CUDA graph, after `lead` untimed calls (the list's last ones), with the two timing
+    events recorded inside the graph (external events). Each replay starts after the host's wait
+    for the previous one; the lead calls take up that start, so the times are the calls' own, as
+    in an engine's graph (``mlakv bench`` reaches the same by back-to-back replays). Raises where
+    the calls cannot be captured."""
+    current = torch.cuda.current_stream()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(current)
+    with torch.cuda.stream(stream):
+        for call in calls:  # warm-up (and torch.compile) outside the capture
+            call()
+    current.wait_stream(stream)
+    torch.cuda.synchronize()
+    start = torch.cuda.Event(enable_timing=True, external=True)
+    end = torch.cuda.Event(enable_timing=True, external=True)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls[len(calls) - lead:]:
+            call()
+        start.record()
+        for call in calls:
+            call()
+        end.record()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        graph.replay()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e-3 / len(calls))
+    return times
+
+
 def _timeit(fn, device, inner, repeats):
     """Median and IQR spread (%) of the time of one call, in microseconds."""
     if device == "cuda":
         fn()
         torch.cuda.synchronize()
-        graph = None
         try:
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                fn()
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
+            times = [t * 1e6 for t in graph_call_times([fn] * inner, repeats)]
+        except Exception:  # a path that cannot be captured: time eager launches instead
+            times = []
+            for _ in range(repeats):
+                start = torch.cuda.Event(enable_timing=True)
+                end = torch.cuda.Event(enable_timing=True)
+                start.record()
                 for _ in range(inner):
                     fn()
-        except Exception:  # a path that cannot be captured: time eager launches instead
-            graph = None
-        run = graph.replay if graph is not None else (lambda: [fn() for _ in range(inner)])
-        run()
-        times = []
-        for _ in range(repeats):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            run()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) * 1e3 / inner)
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end) * 1e3 / inner)
     else:
         fn()
         times = []
