@@ -2,7 +2,7 @@
 // tokens) must succeed and write nothing: every output keeps its poison, the cache its sentinel and
 // the counters stay 0, independently of the reference. gather_cache_sequences with sequences
 // longer than their block-table row: the rows past the row's coverage are zeros and counted, rows
-// at or past out.shape[0] are never written.
+// at or past out.shape[0] are never written, and an empty block table (null data) reads nothing.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -334,6 +334,63 @@ INSTANTIATE_TEST_SUITE_P(All, GatherPastTable,
                          testing::Combine(testing::ValuesIn(all_backends()),
                                           testing::Values(DType::kBFloat16, DType::kFloat32)),
                          past_table_name);
+
+// ---- gather_cache_sequences with an empty block table -------------------------------------------
+// An empty block_table ([B, 0]: no entries a sequence; [0, M]: no sequences) may come with a null
+// data pointer (torch gives empty tensors one). ops.h, independently of the reference: with
+// [B, 0] every token of every sequence has no block-table entry, so its row is zeros and counted
+// (kBadBlockIndex); with B = 0 no row is written and nothing is counted.
+class GatherEmptyTable : public testing::TestWithParam<Backend> {};
+
+TEST_P(GatherEmptyTable, NullTableData) {
+  const Device dev = GetParam().device;
+  const DType od = DType::kFloat32;
+  std::mt19937_64 rng(906);
+  CacheGeometry g;
+  g.block_size = 4;
+  g.num_blocks = 6;
+  TestCache cache = new_cache(dev, g);
+  fill_cache_with_entries(dev, cache, rng);
+  const int64_t D = g.L + g.R;
+  const int64_t elem = dtype_size(od);
+  struct Case {
+    std::vector<int64_t> cu;  // cu_seq_lens: B + 1 values
+    int64_t table_cols;       // block_table [B, table_cols]
+    int64_t out_rows;
+  };
+  for (const Case& c : {Case{{0, 2, 3, 5}, 0, 6}, Case{{0}, 4, 3}, Case{{0}, 0, 2}}) {
+    const int64_t B = static_cast<int64_t>(c.cu.size()) - 1;
+    SCOPED_TRACE("B = " + std::to_string(B) + ", block_table [B, " + std::to_string(c.table_cols) +
+                 "], out rows " + std::to_string(c.out_rows));
+    Tensor cu_seq_lens = index_tensor(dev, DType::kInt32, c.cu);
+    Tensor out = new_tensor(dev, od, {c.out_rows, D});
+    fill_bytes(*out.buffer, kPoisonByte);
+    out.buffer->upload();
+    ErrorCounts counts(dev);
+    GatherCacheSequencesParams p;
+    p.num_seqs = B;
+    p.kv_cache = cache.device_view();
+    p.block_table = make_strided_view(nullptr, DType::kInt32, {B, c.table_cols},
+                                      {std::max<int64_t>(c.table_cols, 1), 1}, dev);
+    p.cu_seq_lens = cu_seq_lens.device_view();
+    p.out = out.device_view();
+    Context ctx;
+    ctx.error_counts = counts.device_ptr();
+    gather_cache_sequences(p, ctx);
+
+    std::vector<uint8_t> planned = out.buffer->initial;
+    const int64_t rows = std::min(c.cu.back(), c.out_rows);
+    std::fill(planned.begin(), planned.begin() + rows * D * elem, uint8_t{0});
+    std::vector<int32_t> planned_counts(kNumErrorCounters, 0);
+    planned_counts[kBadBlockIndex] = static_cast<int32_t>(rows);
+    EXPECT_EQ(counts_to_string(counts.read()), counts_to_string(planned_counts));
+    EXPECT_TRUE(bytes_equal(out.buffer->download(), planned, "out"));
+    EXPECT_TRUE(buffer_unchanged(*cache.data, "kv_cache"));
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(All, GatherEmptyTable, testing::ValuesIn(all_backends()),
+                         backend_param_name);
 
 }  // namespace
 }  // namespace test

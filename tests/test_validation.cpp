@@ -577,6 +577,94 @@ TEST_F(MlaValidation, KPeOutPartialAlias) {
   reject(p_, "k_pe_out");
 }
 
+// ---- memory shared between tensors: an output shares no byte with another tensor, except as
+// the exact aliases (the same data and strides) the op allows.
+
+TEST_F(MlaValidation, KPeOutOneRowAfterKPe) {
+  // The same strides one row later: token t's k_pe_out would overwrite token t + 1's k_pe.
+  p_.k_pe_out =
+      mlakv::make_view(static_cast<uint16_t*>(p_.k_pe.data) + R, DType::kBFloat16, {T - 1, R});
+  p_.num_tokens = T - 1;
+  reject(p_, "k_pe_out");
+}
+
+TEST_F(MlaValidation, KvCOutInsideTheCache) {
+  p_.kv_c_out = mlakv::make_view(cache_, DType::kBFloat16, {T, L});
+  reject(p_, "kv_c_out");
+}
+
+TEST_F(MlaValidation, QOutOverlapsKvCOut) {
+  p_.q_out = mlakv::make_view(p_.kv_c_out.data, DType::kBFloat16, {1, 1, L + R});
+  p_.q_pe = mlakv::make_view(p_.q_pe.data, DType::kBFloat16, {1, 1, R});
+  p_.ql_nope = mlakv::make_view(p_.ql_nope.data, DType::kBFloat16, {1, 1, L});
+  p_.num_decode_tokens = 1;
+  p_.q = TensorView{};
+  p_.q_prefill_out = TensorView{};
+  reject(p_, "q_out");
+}
+
+TEST_F(MlaValidation, QPeShiftedInsideBf16QOut) {
+  // Inside q_out's rope part but two elements off: neither exact nor disjoint.
+  p_.q_pe = mlakv::make_strided_view(static_cast<uint16_t*>(p_.q_out.data) + L + 2,
+                                     DType::kBFloat16, {T - 1, H, R}, {H * (L + R), L + R, 1});
+  p_.num_tokens = T - 1;
+  reject(p_, "q_pe");
+}
+
+TEST_F(MlaValidation, ErrorCountsInsideAnOutput) {
+  mlakv::Context ctx;
+  ctx.error_counts = static_cast<int32_t*>(p_.k_pe_out.data);
+  reject(p_, "error_counts", ctx);
+}
+
+TEST_F(MlaValidation, SplitCacheRopeInsideLatent) {
+  p_.kv_cache = mlakv::make_split_cache_view(cache_, static_cast<uint8_t*>(cache_) + 512,
+                                             CacheFormat::kBFloat16, 1, kBlockSize, L, R);
+  reject(p_, "kv_cache");
+}
+
+TEST_F(MlaValidation, InterleavedViewsOfOneBufferAreDisjoint) {
+  // kv_c and k_pe as the kv_a projection's [T, L + R] output, kv_c_out and k_pe_out as one
+  // [T, L + R] buffer: interleaved, never overlapping. The outputs equal those of separate ones.
+  void* in = arena_.random_bf16(T * (L + R));
+  p_.kv_c = mlakv::make_strided_view(in, DType::kBFloat16, {T, L}, {L + R, 1});
+  p_.k_pe = mlakv::make_strided_view(static_cast<uint16_t*>(in) + L, DType::kBFloat16, {T, R},
+                                     {L + R, 1});
+  EXPECT_NO_THROW(mlakv::mla_rope_cache(p_));
+  std::vector<uint16_t> kv_c_out(T * L), k_pe_out(T * R);
+  std::memcpy(kv_c_out.data(), p_.kv_c_out.data, kv_c_out.size() * 2);
+  std::memcpy(k_pe_out.data(), p_.k_pe_out.data, k_pe_out.size() * 2);
+
+  auto* out = static_cast<uint16_t*>(arena_.sentinel(T * (L + R) * 2));
+  p_.kv_c_out = mlakv::make_strided_view(out, DType::kBFloat16, {T, L}, {L + R, 1});
+  p_.k_pe_out = mlakv::make_strided_view(out + L, DType::kBFloat16, {T, R}, {L + R, 1});
+  EXPECT_NO_THROW(mlakv::mla_rope_cache(p_));
+  for (int64_t t = 0; t < T; ++t) {
+    EXPECT_EQ(std::memcmp(out + t * (L + R), kv_c_out.data() + t * L, L * 2), 0) << "row " << t;
+    EXPECT_EQ(std::memcmp(out + t * (L + R) + L, k_pe_out.data() + t * R, R * 2), 0) << "row " << t;
+  }
+  // And in place, both in the input buffer.
+  p_.kv_c_out = p_.kv_c;
+  p_.k_pe_out = p_.k_pe;
+  EXPECT_NO_THROW(mlakv::mla_rope_cache(p_));
+}
+
+TEST_F(MlaValidation, QPeViewOfQNeedsDisjointRows) {
+  // q_pe may be the decode rows' rope part of q (rows [0, Td)) while q's prefill rows [Td, T)
+  // are rotated in place; not a prefill row's.
+  p_.q_prefill_out = TensorView{};
+  p_.q_pe = mlakv::make_strided_view(static_cast<uint16_t*>(p_.q.data) + P, DType::kBFloat16,
+                                     {T, H, R}, {H * (P + R), P + R, 1});
+  EXPECT_NO_THROW(mlakv::mla_rope_cache(p_));
+  // One decode row whose q_pe is token 1's rope part of q: a prefill row, rotated in place.
+  p_.q_out = mlakv::make_view(arena_.sentinel(H * (L + R) * 2), DType::kBFloat16, {1, H, L + R});
+  p_.ql_nope = mlakv::make_view(arena_.random_bf16(H * L), DType::kBFloat16, {1, H, L});
+  p_.q_pe.shape[0] = 1;
+  p_.num_decode_tokens = 1;
+  p_.q_pe.data = static_cast<uint16_t*>(p_.q.data) + H * (P + R) + P;  // token 1: a prefill row
+  reject(p_, "q");
+}
+
 TEST_F(MlaValidation, KvCOutWrongWidth) {
   p_.kv_c_out.shape[1] = L / 2;
   reject(p_, "kv_c_out");
@@ -659,6 +747,10 @@ TEST_F(OpsValidation, RotaryEmbedding) {
   bad.positions.dtype = DType::kUInt8;
   expect_rejected(
       arena_, [&] { mlakv::rotary_embedding(bad); }, "positions");
+  bad = p;
+  bad.key = mlakv::make_view(p.query.data, DType::kBFloat16, {T, 1, kHead});  // inside query
+  expect_rejected(
+      arena_, [&] { mlakv::rotary_embedding(bad); }, "key");
 }
 
 TEST_F(OpsValidation, ConcatAndCacheMla) {
@@ -688,6 +780,10 @@ TEST_F(OpsValidation, ConcatAndCacheMla) {
   bad.k_pe = mlakv::make_view(p.k_pe.data, DType::kBFloat16, {T, R / 2});
   expect_rejected(
       arena_, [&] { mlakv::concat_and_cache_mla(bad); }, "kv_cache");
+  bad = p;  // the cache over the input it is written from
+  bad.kv_cache = mlakv::make_cache_view(p.kv_c.data, CacheFormat::kFloat8E4M3, 1, 1, L, R);
+  expect_rejected(
+      arena_, [&] { mlakv::concat_and_cache_mla(bad); }, "kv_cache");
 }
 
 TEST_F(OpsValidation, DecodeQConcat) {
@@ -715,6 +811,12 @@ TEST_F(OpsValidation, DecodeQConcat) {
   bad.q_pe.shape[2] = R - 2;
   expect_rejected(
       arena_, [&] { mlakv::decode_q_concat(bad); }, "q_out");
+  bad = p;  // a bf16 q_out over ql_nope shifted by one head: neither exact nor disjoint
+  bad.q_out = mlakv::make_strided_view(static_cast<uint16_t*>(p.ql_nope.data) + L, DType::kBFloat16,
+                                       {1, 1, L + R}, {H * (L + R), L + R, 1});
+  bad.num_tokens = 1;
+  expect_rejected(
+      arena_, [&] { mlakv::decode_q_concat(bad); }, "q_out");
 }
 
 TEST_F(OpsValidation, RmsNorm) {
@@ -738,6 +840,22 @@ TEST_F(OpsValidation, RmsNorm) {
   bad.output.shape[0] = T;
   expect_rejected(
       arena_, [&] { mlakv::rms_norm(bad); }, "output");
+  bad = p;  // one row after the input: row t's output would overwrite row t + 1's input
+  bad.output =
+      mlakv::make_view(static_cast<uint16_t*>(p.input.data) + L, DType::kBFloat16, {T - 1, L});
+  bad.num_tokens = T - 1;
+  expect_rejected(
+      arena_, [&] { mlakv::rms_norm(bad); }, "output");
+  bad = p;  // rows that overlap one another
+  bad.output =
+      mlakv::make_strided_view(arena_.sentinel(T * L * 2), DType::kBFloat16, {T, L}, {L / 2, 1});
+  expect_rejected(
+      arena_, [&] { mlakv::rms_norm(bad); }, "output");
+  bad = p;
+  bad.output = mlakv::make_view(arena_.sentinel(T * L * 2), DType::kBFloat16, {T, L});
+  bad.weight = mlakv::make_view(bad.output.data, DType::kBFloat16, {L});
+  expect_rejected(
+      arena_, [&] { mlakv::rms_norm(bad); }, "output");
 }
 
 TEST_F(OpsValidation, GatherCache) {
@@ -758,6 +876,10 @@ TEST_F(OpsValidation, GatherCache) {
   bad.slots.shape[0] = T - 1;
   expect_rejected(
       arena_, [&] { mlakv::gather_cache_slots(bad); }, "slots");
+  bad = p;
+  bad.out = mlakv::make_view(cache, DType::kFloat32, {T, L + R});  // the read-back into the cache
+  expect_rejected(
+      arena_, [&] { mlakv::gather_cache_slots(bad); }, "out");
 
   mlakv::GatherCacheSequencesParams s;
   s.num_seqs = 2;
@@ -777,6 +899,10 @@ TEST_F(OpsValidation, GatherCache) {
       arena_, [&] { mlakv::gather_cache_sequences(sbad); }, "cu_seq_lens");
   sbad = s;
   sbad.out.shape[1] = L;
+  expect_rejected(
+      arena_, [&] { mlakv::gather_cache_sequences(sbad); }, "out");
+  sbad = s;
+  sbad.out = mlakv::make_view(s.cu_seq_lens.data, DType::kBFloat16, {1, L + R});
   expect_rejected(
       arena_, [&] { mlakv::gather_cache_sequences(sbad); }, "out");
 }

@@ -155,10 +155,12 @@ struct GatherCacheArgs {
   int64_t rope_dim = 0;
   CacheArg cache;
   int64_t num_blocks = 0;
-  // Slots mode (block_table == nullptr): out row i < num_rows reads slots[i].
+  // Slots mode (!sequences): out row i < num_rows reads slots[i].
   IndexArg slots;
   // Sequences mode: num_seqs sequences via block_table / cu_seq_lens; rows >= num_rows never
-  // written.
+  // written. The mode is this flag, not block_table's pointer: an empty block_table ([0, M] or
+  // [B, 0]) may have a null data pointer.
+  bool sequences = false;
   const int32_t* block_table = nullptr;
   int64_t stride_block_table_seq = 0;
   int64_t max_blocks_per_seq = 0;

@@ -1,9 +1,14 @@
 // mlakv internal: argument validation of the public ops (see validate.h).
 #include "core/validate.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <numeric>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "mlakv/cache.h"
 #include "mlakv/error.h"
@@ -323,10 +328,13 @@ RopeTableArg rope_table(Validator& v, const char* name, const TensorView& t, int
 }
 
 // An output that may be its input: allowed when it is the same memory with the same strides,
-// rejected when it starts at the input's address with another layout (a partial alias).
+// rejected when it starts at the input's address with another layout (a partial alias). `offset`
+// (elements of out) places the input inside out's innermost dim (q_pe in q_out's rope part).
 bool exact_alias(Validator& v, const char* name, const TensorView& out, const char* in_name,
-                 const TensorView& in) {
-  if (out.data != in.data || out.numel() == 0) return false;
+                 const TensorView& in, int64_t offset = 0) {
+  const uint8_t* at =
+      static_cast<const uint8_t*>(out.data) + offset * static_cast<int64_t>(dtype_size(out.dtype));
+  if (out.data == nullptr || at != in.data || out.numel() == 0) return false;
   for (int d = 0; d + 1 < out.ndim; ++d) {
     // The stride of a size-1 dim is never used, so it need not match.
     MLAKV_ARG_CHECK(v, out.shape[d] <= 1 || out.stride[d] == in.stride[d], name, "may alias ",
@@ -334,6 +342,199 @@ bool exact_alias(Validator& v, const char* name, const TensorView& out, const ch
                     in.describe());
   }
   return true;
+}
+
+// ---- the memory an op's tensors share ----
+// DESIGN.md: an op writes only its outputs, and an input is modified only where the caller passes
+// an output that IS that input. So every output must share no byte with any other tensor of the
+// op (nor with itself across rows), except the exact aliases the validators allow.
+//
+// A Span is the bytes a (validated: innermost stride 1, positive outer strides) view touches:
+// rows of row_bytes contiguous bytes, at base + sum(i_d * stride_d) over the outer dims. Every
+// byte of a span lies at a residue in [base, base + row_bytes) modulo gcd, the gcd of its outer
+// strides in bytes. Two spans are disjoint when their byte ranges are, or when those residue
+// intervals, taken modulo the gcd of both spans' gcds, do not meet: views interleaved in one
+// buffer (kv_c and k_pe of the kv_a projection's [T, L + R] output, q_out's nope and rope parts).
+// Anything else counts as overlapping, so the test is conservative.
+struct Span {
+  const char* name = "";
+  uintptr_t base = 0;
+  int64_t row_bytes = 0;   // 0: empty
+  int64_t last_row = 0;    // bytes from base to the last row's start
+  int64_t stride_gcd = 0;  // gcd of the outer strides (bytes, dims of size > 1); 0: one row
+};
+
+// The span of view t's rows [first_row, end_row) (end_row < 0: all). Outer dims whose stride
+// continues the row (q [T, H, P + R] with contiguous heads) join the row.
+Span span_of(const char* name, const TensorView& t, int64_t end_row = -1, int64_t first_row = 0) {
+  Span s;
+  s.name = name;
+  if (!t.present() || t.data == nullptr) return s;
+  const int64_t elem = static_cast<int64_t>(dtype_size(t.dtype));
+  int64_t n[kMaxDims] = {};
+  for (int d = 0; d < t.ndim; ++d) {
+    n[d] =
+        d > 0 ? t.shape[d] : (end_row < 0 ? t.shape[0] : std::min(end_row, t.shape[0])) - first_row;
+    if (n[d] <= 0) return s;
+  }
+  int d = t.ndim - 1;
+  s.row_bytes = n[d] * elem;
+  for (--d; d >= 0 && (n[d] == 1 || t.stride[d] * elem == s.row_bytes); --d) {
+    s.row_bytes *= n[d];
+  }
+  for (; d >= 0; --d) {
+    if (n[d] == 1) continue;
+    const int64_t stride = t.stride[d] * elem;
+    s.last_row += (n[d] - 1) * stride;
+    s.stride_gcd = std::gcd(s.stride_gcd, stride);
+  }
+  s.base =
+      reinterpret_cast<uintptr_t>(t.data) + static_cast<uintptr_t>(first_row * t.stride[0] * elem);
+  return s;
+}
+
+// `bytes` contiguous bytes at ptr (a scalar, the error counters).
+Span bytes_span(const char* name, const void* ptr, int64_t bytes) {
+  Span s;
+  s.name = name;
+  if (ptr == nullptr) return s;
+  s.base = reinterpret_cast<uintptr_t>(ptr);
+  s.row_bytes = bytes;
+  return s;
+}
+
+// The entries of a (validated) cache: rows of entry_bytes at data + block * stride_block +
+// token * stride_token.
+Span cache_span(const char* name, const void* data, int64_t num_blocks, int64_t block_size,
+                int64_t stride_block_bytes, int64_t stride_token_bytes, int64_t entry_bytes) {
+  Span s;
+  s.name = name;
+  if (data == nullptr || num_blocks <= 0) return s;
+  s.base = reinterpret_cast<uintptr_t>(data);
+  s.row_bytes = entry_bytes;
+  if (num_blocks > 1) {
+    s.last_row += (num_blocks - 1) * stride_block_bytes;
+    s.stride_gcd = std::gcd(s.stride_gcd, stride_block_bytes);
+  }
+  if (block_size > 1) {
+    s.last_row += (block_size - 1) * stride_token_bytes;
+    s.stride_gcd = std::gcd(s.stride_gcd, stride_token_bytes);
+  }
+  return s;
+}
+
+bool may_overlap(const Span& a, const Span& b) {
+  if (a.row_bytes <= 0 || b.row_bytes <= 0) return false;
+  const uintptr_t a_end = a.base + static_cast<uintptr_t>(a.last_row + a.row_bytes);
+  const uintptr_t b_end = b.base + static_cast<uintptr_t>(b.last_row + b.row_bytes);
+  if (a_end <= b.base || b_end <= a.base) return false;
+  const uintptr_t m = static_cast<uintptr_t>(std::gcd(a.stride_gcd, b.stride_gcd));
+  if (m == 0) return true;  // two single rows whose ranges meet
+  const uintptr_t b_after_a = (b.base % m + m - a.base % m) % m;
+  const uintptr_t a_after_b = (a.base % m + m - b.base % m) % m;
+  return !(b_after_a >= static_cast<uintptr_t>(a.row_bytes) &&
+           a_after_b >= static_cast<uintptr_t>(b.row_bytes));
+}
+
+// True when two rows of an output view may be the same memory: its dims of size > 1, from the
+// smallest stride up, must each step past everything the smaller ones reach (the usual test for
+// non-overlapping strides; a layout that interleaves its own rows counts as overlapping).
+bool rows_overlap(const TensorView& t, int64_t rows) {
+  if (!t.present()) return false;
+  const int64_t elem = static_cast<int64_t>(dtype_size(t.dtype));
+  std::vector<std::pair<int64_t, int64_t>> dims;  // (stride bytes, size)
+  for (int d = 0; d < t.ndim; ++d) {
+    const int64_t n = d == 0 && rows >= 0 ? std::min(rows, t.shape[0]) : t.shape[d];
+    if (n <= 0) return false;
+    if (n > 1) dims.emplace_back(t.stride[d] * elem, n);
+  }
+  std::sort(dims.begin(), dims.end());
+  int64_t reach = elem;  // bytes spanned by the dims taken so far
+  for (const auto& [stride, n] : dims) {
+    if (stride < reach) return true;
+    reach += (n - 1) * stride;
+  }
+  return false;
+}
+
+// The outputs and inputs of one op call; check() throws for the first output that shares memory
+// with another tensor, unless the pair is allowed (an exact alias the validator accepted).
+class MemoryCheck {
+ public:
+  explicit MemoryCheck(Validator& v) : v_(v) {}
+
+  void input(const Span& s) { inputs_.push_back(s); }
+  // An output view's rows [0, rows): also checked against itself.
+  void output(const char* name, const TensorView& t, int64_t end_row = -1, int64_t first_row = 0) {
+    MLAKV_ARG_CHECK(v_, !rows_overlap(t, end_row), name,
+                    "expected rows that do not overlap each other (an output), got ", t.describe());
+    outputs_.push_back(span_of(name, t, end_row, first_row));
+  }
+  void output(const Span& s) { outputs_.push_back(s); }
+  void allow(const char* output, const char* input) { allowed_.emplace_back(output, input); }
+
+  void check() const {
+    for (size_t i = 0; i < outputs_.size(); ++i) {
+      const Span& o = outputs_[i];
+      for (const Span& in : inputs_) {
+        MLAKV_ARG_CHECK(v_, allowed(o.name, in.name) || !may_overlap(o, in), o.name,
+                        "expected memory disjoint from ", in.name,
+                        " (an output may be an input only exactly: the same data and strides, "
+                        "where the op allows it), got overlapping memory");
+      }
+      for (size_t j = i + 1; j < outputs_.size(); ++j) {
+        const Span& other = outputs_[j];
+        MLAKV_ARG_CHECK(
+            v_,
+            allowed(o.name, other.name) || allowed(other.name, o.name) || !may_overlap(o, other),
+            o.name, "expected memory disjoint from ", other.name,
+            " (another output), got overlapping memory");
+      }
+    }
+  }
+
+ private:
+  bool allowed(const char* output, const char* input) const {
+    for (const auto& [o, i] : allowed_) {
+      if (std::strcmp(o, output) == 0 && std::strcmp(i, input) == 0) return true;
+    }
+    return false;
+  }
+
+  Validator& v_;
+  std::vector<Span> inputs_;
+  std::vector<Span> outputs_;
+  std::vector<std::pair<const char*, const char*>> allowed_;
+};
+
+// The spans of a validated cache (the rope part of a split cache as its own span), as outputs
+// (the writing ops) or inputs (the read-back ops).
+void add_cache(MemoryCheck& m, const KVCacheView& c, bool written) {
+  const int64_t L = c.kv_lora_rank;
+  const int64_t R = c.rope_dim;
+  const int64_t latent_elem = static_cast<int64_t>(dtype_size(cache_latent_dtype(c.format)));
+  const int64_t rope_elem = static_cast<int64_t>(dtype_size(cache_rope_dtype(c.format)));
+  const int64_t entry = c.is_split() ? L * latent_elem : cache_entry_bytes(c.format, L, R);
+  const Span latent = cache_span("kv_cache", c.data, c.num_blocks, c.block_size,
+                                 c.stride_block_bytes, c.stride_token_bytes, entry);
+  const Span rope =
+      c.is_split() ? cache_span("kv_cache's rope_data", c.rope_data, c.num_blocks, c.block_size,
+                                c.stride_rope_block_bytes, c.stride_rope_token_bytes, R * rope_elem)
+                   : Span{};
+  const Span scale = bytes_span("kv_cache's scale", c.scale, 4);
+  if (written) {
+    m.output(latent);
+    m.output(rope);
+  } else {
+    m.input(latent);
+    m.input(rope);
+  }
+  m.input(scale);
+}
+
+// The context's error counters: written by every op that has them.
+void add_error_counts(MemoryCheck& m, const Context& ctx) {
+  m.output(bytes_span("ctx.error_counts", ctx.error_counts, 4 * kNumErrorCounters));
 }
 
 // kv_c [T, L] and k_pe [T, R] in the model dtype (kv_c's): the K-side inputs of the fused op and
@@ -384,19 +585,21 @@ MlaRopeCacheArgs validate_mla_rope_cache(const char* op, const MlaRopeCacheParam
   }
   a.cache = v.cache("kv_cache", p.kv_cache, L, R, &model);
 
+  bool k_pe_in_place = false;
+  bool kv_c_in_place = false;
   if (p.k_pe_out.present()) {
     v.tensor("k_pe_out", p.k_pe_out, 2, "[T, R]");
     v.dtype("k_pe_out", p.k_pe_out, model, "the model dtype, from kv_c");
     v.rows("k_pe_out", p.k_pe_out, T, "T");
     v.dim("k_pe_out", p.k_pe_out, 1, R, "R");
-    exact_alias(v, "k_pe_out", p.k_pe_out, "k_pe", p.k_pe);
+    k_pe_in_place = exact_alias(v, "k_pe_out", p.k_pe_out, "k_pe", p.k_pe);
   }
   if (p.kv_c_out.present()) {
     v.tensor("kv_c_out", p.kv_c_out, 2, "[T, L]");
     v.dtype("kv_c_out", p.kv_c_out, model, "the model dtype, from kv_c");
     v.rows("kv_c_out", p.kv_c_out, T, "T");
     v.dim("kv_c_out", p.kv_c_out, 1, L, "L");
-    exact_alias(v, "kv_c_out", p.kv_c_out, "kv_c", p.kv_c);
+    kv_c_in_place = exact_alias(v, "kv_c_out", p.kv_c_out, "kv_c", p.kv_c);
   }
 
   // Td: from the device (clamped by the backend, so decode tensors need T rows) or the host.
@@ -413,6 +616,8 @@ MlaRopeCacheArgs validate_mla_rope_cache(const char* op, const MlaRopeCacheParam
   }
 
   int64_t H = 0;
+  bool q_pe_in_place = false;
+  bool ql_nope_in_place = false;
   if (p.q_out.present()) {
     v.tensor("q_out", p.q_out, 3, "[Td, H, L + R]");
     check_q_out_dtype(v, p.q_out, model, "kv_c");
@@ -431,7 +636,11 @@ MlaRopeCacheArgs validate_mla_rope_cache(const char* op, const MlaRopeCacheParam
 
     const bool fp8_out = is_float8(p.q_out.dtype);
     // A model-dtype q_out may hold q_pe in its rope part (rotated in place); an fp8 one may not.
-    if (fp8_out) check_fp8_source(v, "q_pe", p.q_pe, p.q_out);
+    if (fp8_out) {
+      check_fp8_source(v, "q_pe", p.q_pe, p.q_out);
+    } else {
+      q_pe_in_place = exact_alias(v, "q_pe", p.q_out, "q_out's rope part", p.q_pe, L);
+    }
     bool copy_nope = false;
     if (p.ql_nope.present()) {
       v.tensor("ql_nope", p.ql_nope, 3, "[Td, H, L]");
@@ -443,7 +652,8 @@ MlaRopeCacheArgs validate_mla_rope_cache(const char* op, const MlaRopeCacheParam
         check_fp8_source(v, "ql_nope", p.ql_nope, p.q_out);
         copy_nope = true;
       } else {
-        copy_nope = !exact_alias(v, "ql_nope", p.ql_nope, "q_out's nope part", p.q_out);
+        ql_nope_in_place = exact_alias(v, "ql_nope", p.ql_nope, "q_out's nope part", p.q_out);
+        copy_nope = !ql_nope_in_place;
       }
     } else {
       MLAKV_ARG_CHECK(v, !fp8_out, "ql_nope",
@@ -478,6 +688,7 @@ MlaRopeCacheArgs validate_mla_rope_cache(const char* op, const MlaRopeCacheParam
   }
 
   int64_t P = 0;
+  bool q_in_place = false;
   if (p.q.present()) {
     v.tensor("q", p.q, 3, "[T, H, P + R]");
     v.dtype("q", p.q, model, "the model dtype, from kv_c");
@@ -497,7 +708,8 @@ MlaRopeCacheArgs validate_mla_rope_cache(const char* op, const MlaRopeCacheParam
       v.rows("q_prefill_out", p.q_prefill_out, T, "T");
       v.dim("q_prefill_out", p.q_prefill_out, 1, H, "H (from q)");
       v.dim("q_prefill_out", p.q_prefill_out, 2, P + R, "P + R (from q)");
-      if (!exact_alias(v, "q_prefill_out", p.q_prefill_out, "q", p.q)) {
+      q_in_place = exact_alias(v, "q_prefill_out", p.q_prefill_out, "q", p.q);
+      if (!q_in_place) {
         a.q_prefill_out = p.q_prefill_out.data;
         a.stride_q_prefill_out_token = p.q_prefill_out.stride[0];
         a.stride_q_prefill_out_head = p.q_prefill_out.stride[1];
@@ -533,6 +745,50 @@ MlaRopeCacheArgs validate_mla_rope_cache(const char* op, const MlaRopeCacheParam
     a.kv_c_out = p.kv_c_out.data;
     a.stride_kv_c_out_token = p.kv_c_out.stride[0];
   }
+
+  MemoryCheck m(v);
+  m.input(span_of("kv_c", p.kv_c, T));
+  m.input(span_of("k_pe", p.k_pe, T));
+  m.input(span_of("positions", p.positions, T));
+  m.input(span_of("slot_mapping", p.slot_mapping, T));
+  m.input(span_of("cos_sin_cache", p.cos_sin_cache));
+  m.input(span_of("kv_norm_weight", p.kv_norm_weight));
+  m.input(bytes_span("num_decode_tokens_device", p.num_decode_tokens_device, 4));
+  add_cache(m, p.kv_cache, true);
+  add_error_counts(m, ctx);
+  if (p.k_pe_out.present()) m.output("k_pe_out", p.k_pe_out, T);
+  if (k_pe_in_place) m.allow("k_pe_out", "k_pe");
+  if (p.kv_c_out.present()) m.output("kv_c_out", p.kv_c_out, T);
+  if (kv_c_in_place) m.allow("kv_c_out", "kv_c");
+  if (p.q_out.present()) {
+    m.output("q_out", p.q_out, decode_rows);
+    m.input(span_of("q_pe", p.q_pe, decode_rows));
+    m.input(span_of("ql_nope", p.ql_nope, decode_rows));
+    m.input(bytes_span("q_scale", p.q_scale, 4));
+    if (q_pe_in_place) m.allow("q_out", "q_pe");
+    if (ql_nope_in_place) m.allow("q_out", "ql_nope");
+  }
+  if (p.q.present()) {
+    // The prefill rows [Td, T) of q (or q_prefill_out); without a separate q_prefill_out, q's rope
+    // parts are rotated in place: q is an output. With a device Td the split is not known here,
+    // so the decode tensors may be other rows of the same memory (q_pe a view of q's decode
+    // rows): those pairs are not checked.
+    const int64_t first = device_td ? 0 : p.num_decode_tokens;
+    const char* q_name = "q";
+    if (p.q_prefill_out.present() && !q_in_place) {
+      m.input(span_of("q", p.q, T, first));
+      m.output("q_prefill_out", p.q_prefill_out, T, first);
+      q_name = "q_prefill_out";
+    } else {
+      m.output("q", p.q, T, first);
+    }
+    if (device_td) {
+      for (const char* decode_tensor : {"q_pe", "ql_nope", "q_out"}) m.allow(q_name, decode_tensor);
+      m.allow("q_out", "q");
+    }
+  }
+  m.check();
+
   a.error_counts = ctx.error_counts;
   *device = v.device();
   return a;
@@ -583,6 +839,16 @@ RotaryEmbeddingArgs validate_rotary_embedding(const char* op, const RotaryEmbedd
   a.num_q_heads = p.query.shape[1];
   a.stride_query_token = p.query.stride[0];
   a.stride_query_head = p.query.stride[1];
+
+  // query and key are rotated in place: both outputs.
+  MemoryCheck m(v);
+  m.input(span_of("positions", p.positions, T));
+  m.input(span_of("cos_sin_cache", p.cos_sin_cache));
+  add_error_counts(m, ctx);
+  m.output("query", p.query, T);
+  if (p.key.present()) m.output("key", p.key, T);
+  m.check();
+
   a.error_counts = ctx.error_counts;
   *device = v.device();
   return a;
@@ -612,6 +878,15 @@ ConcatAndCacheMlaArgs validate_concat_and_cache_mla(const char* op,
   a.stride_kv_c_token = p.kv_c.stride[0];
   a.k_pe = p.k_pe.data;
   a.stride_k_pe_token = p.k_pe.stride[0];
+
+  MemoryCheck m(v);
+  m.input(span_of("kv_c", p.kv_c, T));
+  m.input(span_of("k_pe", p.k_pe, T));
+  m.input(span_of("slot_mapping", p.slot_mapping, T));
+  add_cache(m, p.kv_cache, true);
+  add_error_counts(m, ctx);
+  m.check();
+
   a.error_counts = ctx.error_counts;
   *device = v.device();
   return a;
@@ -644,14 +919,26 @@ DecodeQConcatArgs validate_decode_q_concat(const char* op, const DecodeQConcatPa
   v.dim("q_out", p.q_out, 1, H, "H (from ql_nope)");
   v.dim("q_out", p.q_out, 2, L + R, "L + R");
   const bool fp8_out = is_float8(p.q_out.dtype);
+  bool ql_nope_in_place = false;
+  bool q_pe_in_place = false;
   if (fp8_out) {
     check_fp8_source(v, "ql_nope", p.ql_nope, p.q_out);
     check_fp8_source(v, "q_pe", p.q_pe, p.q_out);
   } else {
-    exact_alias(v, "ql_nope", p.ql_nope, "q_out's nope part", p.q_out);
+    ql_nope_in_place = exact_alias(v, "ql_nope", p.ql_nope, "q_out's nope part", p.q_out);
+    q_pe_in_place = exact_alias(v, "q_pe", p.q_out, "q_out's rope part", p.q_pe, L);
   }
   check_q_scale(v, p.q_scale, p.q_out);
   check_context(v, ctx);
+
+  MemoryCheck m(v);
+  m.input(span_of("ql_nope", p.ql_nope, T));
+  m.input(span_of("q_pe", p.q_pe, T));
+  m.input(bytes_span("q_scale", p.q_scale, 4));
+  m.output("q_out", p.q_out, T);
+  if (ql_nope_in_place) m.allow("q_out", "ql_nope");
+  if (q_pe_in_place) m.allow("q_out", "q_pe");
+  m.check();
 
   DecodeQConcatArgs a;
   a.num_tokens = T;
@@ -693,8 +980,15 @@ RmsNormArgs validate_rms_norm(const char* op, const RmsNormParams& p, const Cont
   v.dtype("output", p.output, model, "the model dtype, from input");
   v.rows("output", p.output, T, "T");
   v.dim("output", p.output, 1, N, "N (from input)");
-  exact_alias(v, "output", p.output, "input", p.input);
+  const bool in_place = exact_alias(v, "output", p.output, "input", p.input);
   check_context(v, ctx);
+
+  MemoryCheck m(v);
+  m.input(span_of("input", p.input, T));
+  m.input(span_of("weight", p.weight));
+  m.output("output", p.output, T);
+  if (in_place) m.allow("output", "input");
+  m.check();
 
   RmsNormArgs a;
   a.num_tokens = T;
@@ -748,6 +1042,13 @@ GatherCacheArgs validate_gather_cache_slots(const char* op, const GatherCacheSlo
   v.rows("out", p.out, N, "N");
   a.slots = index_tensor(v, "slots", p.slots, N, "N");
   check_context(v, ctx);
+
+  MemoryCheck m(v);
+  add_cache(m, p.kv_cache, false);
+  m.input(span_of("slots", p.slots, N));
+  add_error_counts(m, ctx);
+  m.output("out", p.out, N);
+  m.check();
   a.num_rows = N;
   a.error_counts = ctx.error_counts;
   *device = v.device();
@@ -767,6 +1068,15 @@ GatherCacheArgs validate_gather_cache_sequences(const char* op, const GatherCach
   v.dtype("cu_seq_lens", p.cu_seq_lens, DType::kInt32, "cumulative sequence lengths");
   v.rows("cu_seq_lens", p.cu_seq_lens, B + 1, "B + 1");
   check_context(v, ctx);
+
+  MemoryCheck m(v);
+  add_cache(m, p.kv_cache, false);
+  m.input(span_of("block_table", p.block_table, B));
+  m.input(span_of("cu_seq_lens", p.cu_seq_lens, B + 1));
+  add_error_counts(m, ctx);
+  m.output("out", p.out);
+  m.check();
+  a.sequences = true;
   a.block_table = static_cast<const int32_t*>(p.block_table.data);
   a.stride_block_table_seq = p.block_table.stride[0];
   a.max_blocks_per_seq = p.block_table.shape[1];

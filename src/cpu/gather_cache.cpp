@@ -73,7 +73,7 @@ void gather_impl(const GatherCacheArgs& a, const Context& ctx) {
   O* out_base = static_cast<O*>(a.out);
   auto zero_row = [&](O* out) { std::memset(out, 0, static_cast<size_t>(D) * sizeof(O)); };
 
-  if (a.block_table == nullptr) {
+  if (!a.sequences) {
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
       ErrorTally tally;
@@ -100,13 +100,14 @@ void gather_impl(const GatherCacheArgs& a, const Context& ctx) {
       const int64_t begin = a.cu_seq_lens[b];
       const int64_t end = std::min<int64_t>(a.cu_seq_lens[b + 1], a.num_rows);
       if (begin < 0 || end <= begin) continue;
-      const int32_t* blocks = a.block_table + b * a.stride_block_table_seq;
 #pragma omp for schedule(static) nowait
       for (int64_t row = begin; row < end; ++row) {
         const int64_t i = row - begin;
         O* out = out_base + row * a.stride_out_token;
         const int64_t block_index = i / a.cache.block_size;
-        const int64_t block = block_index < a.max_blocks_per_seq ? blocks[block_index] : -1;
+        const int64_t block = block_index < a.max_blocks_per_seq
+                                  ? a.block_table[b * a.stride_block_table_seq + block_index]
+                                  : -1;
         if (block < 0 || block >= a.num_blocks) {
           tally.add(kBadBlockIndex);
           zero_row(out);

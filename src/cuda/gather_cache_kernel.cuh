@@ -60,7 +60,7 @@ __global__ void __launch_bounds__(kGatherThreads)
   bool valid = false;
   int64_t block = 0;
   int64_t offset = 0;
-  if (a.block_table == nullptr) {
+  if (!a.sequences) {
     const int64_t slot = load_index(a.slots, r);
     if (slot >= a.cache.num_slots) {
       if (lane == 0) count_error(p.error_counts, kBadSlot);
