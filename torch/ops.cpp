@@ -28,6 +28,12 @@ void check_1d(const char* name, const at::Tensor& t) {
   TORCH_CHECK(t.dim() == 1, "mlakv: ", name, ": expected a 1-D tensor, got shape ", t.sizes());
 }
 
+// t.size(0) with a clear error for a 0-dim tensor (size(0) alone raises an IndexError).
+int64_t leading_size(const char* name, const at::Tensor& t) {
+  TORCH_CHECK(t.dim() >= 1, "mlakv: ", name, ": expected at least 1 dim, got a 0-dim tensor");
+  return t.size(0);
+}
+
 // A [T, H * head_size] tensor seen as [T, H, head_size] (vLLM's query / key layout).
 TensorView heads_view(const char* name, const at::Tensor& t, int64_t head_size) {
   if (t.dim() != 2) return to_view(name, t);
@@ -122,7 +128,7 @@ void decode_q_concat_op(const at::Tensor& ql_nope, const at::Tensor& q_pe, at::T
   translate_errors([&] {
     Env env(q_out, std::nullopt);
     DecodeQConcatParams p;
-    p.num_tokens = q_out.size(0);
+    p.num_tokens = leading_size("q_out", q_out);
     p.ql_nope = to_view("ql_nope", ql_nope);
     p.q_pe = to_view("q_pe", q_pe);
     p.q_out = to_view("q_out", q_out);
@@ -136,7 +142,7 @@ void rms_norm_op(at::Tensor& out, const at::Tensor& input, const at::Tensor& wei
   translate_errors([&] {
     Env env(input, std::nullopt);
     RmsNormParams p;
-    p.num_tokens = input.size(0);
+    p.num_tokens = leading_size("input", input);
     p.input = to_view("input", input);
     p.weight = to_view("weight", weight);
     p.eps = static_cast<float>(eps);
@@ -179,7 +185,7 @@ at::Tensor gather_cache_slots_op(const at::Tensor& kv_cache, c10::string_view ca
     check_gather_dtype(out_dtype);
     const KVCacheView cache = to_cache_view(kv_cache, cache_format, kv_cache_scale, kv_cache_rope,
                                             kv_lora_rank, -1, false);
-    return at::empty({slots.size(0), cache_entry_width(cache)},
+    return at::empty({leading_size("slots", slots), cache_entry_width(cache)},
                      kv_cache.options().dtype(out_dtype));
   });
   gather_cache_slots_out_op<Env>(out, kv_cache, cache_format, kv_cache_scale, kv_cache_rope, slots,

@@ -114,7 +114,7 @@ def rotary_embedding(positions: torch.Tensor, query: torch.Tensor,
     """
     if head_size is None:
         if query.dim() != 3:
-            raise ValueError("rotary_embedding: head_size is required for a 2-D query")
+            raise RuntimeError("mlakv: rotary_embedding: head_size: required for a 2-D query")
         head_size = query.shape[-1]
     _ops.rotary_embedding(positions, query, key, int(head_size), cos_sin_cache, is_neox,
                           error_counts)
@@ -155,8 +155,12 @@ def rms_norm(input: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *,
 
 
 def _gather_format(cache_format, kv_cache):
-    # Resolve "auto" here so that the op (and its fake kernel) always see a concrete name.
-    return canonical_format(cache_format, kv_cache)
+    # Resolve "auto" here so that the op (and its fake kernel) always see a concrete name. A bad
+    # name is an argument error like the ops' own: RuntimeError (as concat_and_cache_mla gives).
+    try:
+        return canonical_format(cache_format, kv_cache)
+    except ValueError as e:
+        raise RuntimeError(f"mlakv: {e}") from None
 
 
 def gather_cache_slots(kv_cache: torch.Tensor, slots: torch.Tensor, *, kv_lora_rank: int,

@@ -373,6 +373,58 @@ def test_errors_surface_as_python_exceptions(device):
     assert torch.equal(x.kv_cache, before), "a rejected op must write nothing"
 
 
+def test_wrapper_and_zero_dim_errors_are_runtime_errors(device):
+    """The wrappers' own checks and 0-dim tensors give RuntimeError, like the core's errors."""
+    cfg = TP8
+    cache = mlakv.allocate_cache(4, 4, cfg.L, cfg.R, "bf16", device=device)
+    slots = torch.zeros(2, dtype=torch.int64, device=device)
+    for call in (lambda: mlakv.gather_cache_slots(cache, slots, kv_lora_rank=cfg.L,
+                                                  cache_format="bogus"),
+                 lambda: mlakv.gather_cache_sequences(cache, torch.zeros(1, 1, dtype=torch.int32,
+                                                                         device=device),
+                                                      torch.tensor([0, 1], dtype=torch.int32,
+                                                                   device=device),
+                                                      1, kv_lora_rank=cfg.L,
+                                                      cache_format="bogus")):
+        with pytest.raises(RuntimeError, match="cache_format"):
+            call()
+    q2d = torch.zeros(2, 4 * cfg.R, dtype=torch.bfloat16, device=device)
+    table = mlakv.tables.rope_cos_sin_cache(cfg.R, 16).to(device)
+    with pytest.raises(RuntimeError, match="head_size"):
+        mlakv.rotary_embedding(slots, q2d, None, table)
+    scalar = torch.tensor(1.0, dtype=torch.bfloat16, device=device)
+    w = torch.ones(cfg.L, dtype=torch.bfloat16, device=device)
+    with pytest.raises(RuntimeError, match="input"):
+        torch.ops.mlakv.rms_norm(scalar.clone(), scalar, w, 1e-6)
+    with pytest.raises(RuntimeError, match="q_out"):
+        torch.ops.mlakv.decode_q_concat(scalar, scalar, scalar.clone(), None)
+    with pytest.raises(RuntimeError, match="slots"):
+        torch.ops.mlakv.gather_cache_slots(cache, "bf16", None, None, slots[0], cfg.L,
+                                           torch.float32)
+
+
+def test_gather_cache_sequences_empty_block_table(device):
+    """An empty block table ([B, 0], or B = 0) has no entry to read: rows are zeros and counted
+    ([B, 0]) or untouched (B = 0), never a read through the empty tensor's pointer."""
+    cfg = TP8
+    cache = mlakv.allocate_cache(4, 4, cfg.L, cfg.R, "bf16", device=device)
+    counts = mlakv.new_error_counts(device)
+    out = torch.full((4, cfg.L + cfg.R), 7.0, device=device)
+    mlakv.gather_cache_sequences(cache, torch.empty(2, 0, dtype=torch.int32, device=device),
+                                 torch.tensor([0, 1, 3], dtype=torch.int32, device=device), 4,
+                                 kv_lora_rank=cfg.L, cache_format="bf16", out=out,
+                                 error_counts=counts)
+    assert torch.equal(out[:3], torch.zeros_like(out[:3])) and bool((out[3] == 7.0).all())
+    assert mlakv.read_error_counts(counts)["bad_block_index"] == 3
+    out.fill_(7.0)
+    mlakv.gather_cache_sequences(cache, torch.empty(0, 4, dtype=torch.int32, device=device),
+                                 torch.tensor([0], dtype=torch.int32, device=device), 4,
+                                 kv_lora_rank=cfg.L, cache_format="bf16", out=out,
+                                 error_counts=counts)
+    assert bool((out == 7.0).all())
+    assert mlakv.read_error_counts(counts)["bad_block_index"] == 3
+
+
 # ---- tables ------------------------------------------------------------------------------------
 def test_rope_tables():
     t = mlakv.rope_cos_sin_cache(64, 32)
