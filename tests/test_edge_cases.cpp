@@ -392,6 +392,29 @@ TEST_P(GatherEmptyTable, NullTableData) {
 INSTANTIATE_TEST_SUITE_P(All, GatherEmptyTable, testing::ValuesIn(all_backends()),
                          backend_param_name);
 
+// ---- ctx.num_threads above the hardware's ------------------------------------------------------
+// context.h: more threads than the hardware has count as all of them (never handed to the OpenMP
+// runtime as asked). A row block large enough to run in parallel gives the default's bytes.
+TEST(CpuThreads, CountAboveTheHardwareIsCapped) {
+  std::mt19937_64 rng(907);
+  const int64_t T = 2048, N = 1024;
+  Tensor input = random_tensor(Device{}, DType::kBFloat16, {T, N}, rng, 3.0f);
+  Tensor weight = random_tensor(Device{}, DType::kBFloat16, {N}, rng, 1.5f);
+  Tensor outputs[2] = {poisoned_tensor(Device{}, DType::kBFloat16, {T, N}),
+                       poisoned_tensor(Device{}, DType::kBFloat16, {T, N})};
+  for (int k = 0; k < 2; ++k) {
+    RmsNormParams p;
+    p.num_tokens = T;
+    p.input = input.host_view();
+    p.weight = weight.host_view();
+    p.output = outputs[k].host_view();
+    Context ctx;
+    ctx.num_threads = k == 0 ? 0 : 1 << 20;
+    rms_norm(p, ctx);
+  }
+  EXPECT_TRUE(bytes_equal(outputs[1].buffer->host, outputs[0].buffer->host, "output"));
+}
+
 }  // namespace
 }  // namespace test
 }  // namespace mlakv

@@ -25,7 +25,8 @@ struct Context {
   // Debug mode: synchronize after the op and throw mlakv::Error if it counted anything. Needs
   // error_counts; reads device memory on the host, so not for CUDA-graph capture.
   bool checked = false;
-  // CPU backend threads; 0 = all hardware threads.
+  // CPU backend threads; 0 = all hardware threads (OpenMP's default); more than the hardware's
+  // threads count as all of them.
   int32_t num_threads = 0;
   // CUDA backend, sm_90+: programmatic dependent launch. The op's kernel may be scheduled while the
   // previous kernel in the stream is still running and waits for it (griddepcontrol.wait) before

@@ -41,8 +41,11 @@ constexpr int64_t kHeadChunk = 32;
 // stream_bytes): more than the private caches hold, so it is not in cache when attention reads it.
 constexpr int64_t kStreamBytes = 4 * 1024 * 1024;
 
+// ctx.num_threads, at most the hardware's threads (an absurd count must not reach the OpenMP
+// runtime, which may abort when it cannot create the threads); 0: OpenMP's default.
 inline int max_threads(const Context& ctx) {
-  return ctx.num_threads > 0 ? ctx.num_threads : omp_get_max_threads();
+  return ctx.num_threads > 0 ? std::min(ctx.num_threads, omp_get_num_procs())
+                             : omp_get_max_threads();
 }
 
 // Threads for a call that moves `bytes` of memory over `items` independent work items.
