@@ -113,6 +113,13 @@ FusedProblem::FusedProblem(const FusedSpec& s, Device dev) : spec(s), device(dev
   std::shuffle(perm.begin(), perm.end(), rng);
   const std::vector<Kind> kinds = slot_kinds(spec);
   const std::vector<bool> bad_pos = bad_position_tokens(spec);
+  // The cache's last slot goes to the first normally written token (swapped into its place in
+  // the permutation, so slots stay distinct): the edge slot < num_slots is written, not skipped.
+  for (int64_t t = 0; t < T; ++t) {
+    if (kinds[t] != Kind::kNormal) continue;
+    std::swap(perm[t], *std::find(perm.begin(), perm.end(), num_slots - 1));
+    break;
+  }
   std::vector<int64_t> slots(static_cast<size_t>(rows)), pos(static_cast<size_t>(rows));
   std::uniform_int_distribution<int64_t> pos_dist(0, spec.max_pos - 1);
   const int64_t bad_pos_values[] = {-1, spec.max_pos, spec.max_pos + 1000, -100000};
@@ -130,6 +137,18 @@ FusedProblem::FusedProblem(const FusedSpec& s, Device dev) : spec(s), device(dev
       slots[t] = (k % 3 == 2 && !spec.index32) ? (int64_t{1} << 40) : num_slots + 13 * k;
     }
     if (bad_pos[t]) pos[t] = bad_pos_values[bad_pos_index++ % 4];
+  }
+  // The table's last row: the first and the last token with a valid position (a decode and a
+  // prefill token in a mixed batch) read row max_pos - 1, which is in range, not clamped.
+  for (int64_t t = 0; t < T; ++t) {
+    if (bad_pos[t]) continue;
+    pos[t] = spec.max_pos - 1;
+    break;
+  }
+  for (int64_t t = T - 1; t >= 0; --t) {
+    if (bad_pos[t]) continue;
+    pos[t] = spec.max_pos - 1;
+    break;
   }
   positions = new_tensor(dev, idx, {rows});
   fill_random(*positions.buffer, idx, rng);
@@ -153,6 +172,12 @@ FusedProblem::FusedProblem(const FusedSpec& s, Device dev) : spec(s), device(dev
     k_pe = rows_tensor(dev, model, rows, R, pad);
     fill_random(*kv_c.buffer, model, rng, spec.amplitude);
     fill_random(*k_pe.buffer, model, rng, spec.amplitude);
+  }
+  for (int64_t k = 0; k < spec.zero_tiles && 2 * k < T; ++k) {
+    for (int64_t i = 0; i < kDsMlaTileElems; ++i) {
+      const int64_t col = (k % kDsMlaNumTiles) * kDsMlaTileElems + i;
+      ref::store_value(kv_c.buffer->host.data() + kv_c.byte_offset({2 * k, col}), model, 0.0f);
+    }
   }
   if (spec.norm) {
     weight = new_tensor(dev, model, {L});

@@ -40,6 +40,10 @@ struct FusedSpec {
   int64_t max_pos = 1024;
   CacheGeometry cache;  // format, block_size, split/pads, scale, pow2 (L, R, num_blocks derived)
   float amplitude = 2.0f;
+  // Tokens 0, 2, 4, ... (this many, < T) get one whole 128-value tile of kv_c set to exactly 0
+  // (tile k % 4 for the k-th of them; fill_random never makes a 0): an all-zero fp8_ds_mla tile,
+  // whose scale is the floor FLT_MIN and whose bytes are all 0 (DESIGN.md). Needs L >= 512.
+  int64_t zero_tiles = 0;
 
   bool norm = false;
   bool k_pe_out = false;

@@ -104,14 +104,19 @@ std::vector<FusedSpec> dtype_style_specs() {
   for (const ModelShape& shape : {kDeepSeekV3Tp8, kMiniCpm3}) {
     for (DType table : {DType::kFloat32, DType::kBFloat16, DType::kFloat16}) {
       for (const FormatCase& f : {kFormats[0], kFormats[3]}) {
+        // The table's row stride is honoured (DESIGN.md): with the e4m3 cache, every table dtype
+        // also gets rows padded by 3 elements (row_pad pads kv_c, k_pe, q and q_out too).
+        const bool padded = f.format == CacheFormat::kFloat8E4M3;
         FusedSpec s = base(shape, f, 33, 10);
         s.style = RopeStyle::kNeox;
         s.table_dtype = table;
-        s.name += std::string("_neox_table_") + dtype_name(table);
+        s.row_pad = padded ? 3 : 0;
+        const std::string pad_name = padded ? "_pad3" : "";
+        s.name += std::string("_neox_table_") + dtype_name(table) + pad_name;
         s.seed = seed++;
         out.push_back(s);
         s.style = RopeStyle::kGptJ;
-        s.name = base(shape, f, 33, 10).name + "_gptj_table_" + dtype_name(table);
+        s.name = base(shape, f, 33, 10).name + "_gptj_table_" + dtype_name(table) + pad_name;
         s.seed = seed++;
         out.push_back(s);
       }
@@ -162,6 +167,35 @@ std::vector<FusedSpec> q_side_specs() {
                    (style == RopeStyle::kNeox ? "_neox" : "_gptj"));
       }
     }
+  }
+  // Rope widths up to DESIGN.md's largest, R = 256, and R = 128 (a fixed-length loop on the CPU):
+  // bf16 and e4m3 q_out, both pair styles, k_pe_out into a poisoned buffer (a value left unrotated
+  // or unwritten shows). The e4m3 q_out goes with an e4m3 cache.
+  {
+    constexpr ModelShape kRope128{"rope128", 4, 256, 128, 64};
+    constexpr ModelShape kRope256{"rope256", 2, 128, 256, 32};
+    for (const ModelShape& shape : {kRope128, kRope256}) {
+      for (bool fp8 : {false, true}) {
+        for (RopeStyle style : {RopeStyle::kGptJ, RopeStyle::kNeox}) {
+          FusedSpec s = base(shape, fp8 ? kFormats[3] : kFormats[0], 9, 4);
+          s.style = style;
+          s.k_pe_out = true;
+          if (fp8) {
+            s.q_out_dtype = DType::kFloat8E4M3;
+            s.q_scale = 0.05f;
+          }
+          add(s, std::string(fp8 ? "qout_e4m3" : "qout_bf16") +
+                     (style == RopeStyle::kNeox ? "_neox" : "_gptj"));
+        }
+      }
+    }
+  }
+  {
+    // All-zero fp8_ds_mla tiles without a norm: scale FLT_MIN, bytes 0.
+    FusedSpec s = base(kDeepSeekV3Tp8, kFormats[6], 33, 13);
+    s.zero_tiles = 5;
+    s.k_pe_out = s.kv_c_out = true;
+    add(s, "zero_tiles");
   }
   {
     FusedSpec s = b;

@@ -714,6 +714,86 @@ TEST_P(RmsNormQuantTest, DualSpecialValuesEqualTheCpuBackend) {
   }
 }
 
+// ---- a NaN in a group: hand-computed bytes ------------------------------------------------------
+// The documented rules, not the code (docs/rmsnorm_quant.md, docs/decisions.md): amax = max |y|
+// over the group with NaN ignored; scale = max(amax / 448, scale_floor); q = e4m3(y / scale) with
+// IEEE division, saturating, round to nearest even; a NaN becomes the byte 0x7f. Four groups of
+// G = 16 in a row of N = 64:
+//   group 0: NaN, 3, -3, 1.5, then 0s: amax 3, so scale = fl(3 / 448); 3 / scale is 448 within an
+//            ulp and rounds (or saturates) to 448 = 0x7e, -3 gives 0xfe, 1.5 gives 224 = 0x76,
+//            NaN 0x7f, 0 0x00. (Were the NaN counted, the scale would be the floor and 1.5 would
+//            saturate to 0x7e.)
+//   group 1: group 0 with 0 in the NaN's place: the same scale and bytes, 0x00 for the NaN's.
+//   groups 2, 3: all 0: the floor, bytes 0x00.
+constexpr int64_t kNanN = 64;
+constexpr int64_t kNanG = 16;
+
+// Writes the row's values (model dtype) at `at(k)`; the NaN is a quiet NaN with the sign set.
+void write_nan_groups(DType dt, const std::function<uint8_t*(int64_t)>& at) {
+  for (int64_t k = 0; k < kNanN; ++k) write_model(at(k), dt, 0.0);
+  write_special(at(0), dt, 'n');
+  for (int64_t g : {0, 1}) {
+    write_model(at(g * kNanG + 1), dt, 3.0);
+    write_model(at(g * kNanG + 2), dt, -3.0);
+    write_model(at(g * kNanG + 3), dt, 1.5);
+  }
+}
+
+// Row 0's e4m3 bytes and scales against the hand-computed ones above.
+void expect_nan_groups(const Job& j, float scale_floor, const std::string& label) {
+  std::vector<uint8_t> bytes(kNanN, 0x00);
+  bytes[0] = 0x7f;
+  for (int64_t g : {0, 1}) {
+    bytes[g * kNanG + 1] = 0x7e;
+    bytes[g * kNanG + 2] = 0xfe;
+    bytes[g * kNanG + 3] = 0x76;
+  }
+  const float scales[kNanN / kNanG] = {3.0f / 448.0f, 3.0f / 448.0f, scale_floor, scale_floor};
+  const std::vector<uint8_t> got_values = j.values.buffer->download();
+  const std::vector<uint8_t> got_scales = j.scales.buffer->download();
+  for (int64_t k = 0; k < kNanN; ++k) {
+    EXPECT_EQ(int{got_values[j.values.byte_offset({0, k})]}, int{bytes[k]})
+        << label << ": value " << k;
+  }
+  for (int64_t g = 0; g < kNanN / kNanG; ++g) {
+    float got;
+    std::memcpy(&got, got_scales.data() + j.scales.byte_offset({0, g}), 4);
+    EXPECT_EQ(got, scales[g]) << label << ": scale of group " << g;
+  }
+}
+
+// rmsnorm_quant with the NaN in the weight (a NaN in x would make the whole row NaN): x = 1
+// everywhere and eps = 0, so inv = 1 / sqrt(64 / 64 + 0) = 1 and y = round_model((1 * 1) * w) = w.
+// per_token_group_quant_fp8 with the NaN in its input (y = x).
+TEST_P(RmsNormQuantTest, NanInAGroupIsIgnoredByItsScale) {
+  for (DType dt : {DType::kBFloat16, DType::kFloat16, DType::kFloat32}) {
+    for (bool with_weight : {true, false}) {
+      Case c;
+      c.name = with_weight ? "nan rmsnorm_quant" : "nan per_token_group_quant";
+      c.dtype = dt;
+      c.N = kNanN;
+      c.T = 1;
+      c.group_size = kNanG;
+      c.eps = 0.0f;
+      const std::string label = case_label(c);
+      SCOPED_TRACE(label);
+      std::mt19937_64 rng(1500);
+      Job j = make_job(device(), c, rng, with_weight, true);
+      if (with_weight) {
+        for (int64_t k = 0; k < kNanN; ++k) write_model(host_at(j.input, 0, k), dt, 1.0);
+        write_nan_groups(dt, [&](int64_t k) {
+          return j.weight.buffer->host.data() + j.weight.byte_offset({k});
+        });
+      } else {
+        write_nan_groups(dt, [&](int64_t k) { return host_at(j.input, 0, k); });
+      }
+      upload(j);
+      run_op(j, c, with_weight);
+      expect_nan_groups(j, c.scale_floor, label);
+    }
+  }
+}
+
 TEST_P(RmsNormQuantTest, TinyValuesHitTheScaleFloor) {
   Case c;
   c.name = "floor";

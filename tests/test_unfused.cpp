@@ -3,6 +3,8 @@
 // (DESIGN.md: switching MLAKV_FUSED never changes a result).
 #include <gtest/gtest.h>
 
+#include <cfloat>
+#include <cstring>
 #include <numeric>
 #include <string>
 #include <tuple>
@@ -104,6 +106,15 @@ std::vector<RotaryCase> rotary_cases() {
       {"qk_neox_fp32_fp16table", 9, 3, 3, 96, 32, DType::kFloat32, DType::kFloat16,
        RopeStyle::kNeox, 2},
       {"t1", 1, 128, 1, 64, 64, DType::kBFloat16, DType::kFloat32, RopeStyle::kGptJ, 0},
+      // rot_dim 128 (a fixed-length loop on the CPU) and DESIGN.md's largest, 256.
+      {"qk_gptj_bf16_rot128", 5, 4, 1, 128, 128, DType::kBFloat16, DType::kFloat32,
+       RopeStyle::kGptJ, 0},
+      {"qk_neox_fp16_partial_rot128_bf16table", 5, 2, 2, 192, 128, DType::kFloat16,
+       DType::kBFloat16, RopeStyle::kNeox, 1},
+      {"qk_neox_bf16_rot256", 5, 2, 1, 256, 256, DType::kBFloat16, DType::kFloat32,
+       RopeStyle::kNeox, 0},
+      {"q_only_gptj_fp32_rot256_fp16table", 3, 2, 0, 256, 256, DType::kFloat32, DType::kFloat16,
+       RopeStyle::kGptJ, 0},
   };
 }
 
@@ -145,6 +156,17 @@ TEST_P(ConcatAndCacheMla, MatchesReference) {
   Tensor slot_mapping = index_tensor(dev, DType::kInt32, slots);
   Tensor kv_c = random_tensor(dev, c.model, {rows, c.L}, rng);
   Tensor k_pe = random_tensor(dev, c.model, {rows, c.R}, rng);
+  if (c.format == CacheFormat::kFloat8DsMla) {
+    // All-zero tiles (fill_random never makes a 0): tokens 0, 5 and 17 get tiles 1, 0 and 3 set
+    // to 0. Their scale is the floor FLT_MIN and their bytes 0 (DESIGN.md).
+    for (auto [t, tile] : {std::pair<int64_t, int64_t>{0, 1}, {5, 0}, {17, 3}}) {
+      for (int64_t i = 0; i < kDsMlaTileElems; ++i) {
+        ref::store_value(
+            kv_c.buffer->host.data() + kv_c.byte_offset({t, tile * kDsMlaTileElems + i}), c.model,
+            0.0f);
+      }
+    }
+  }
   ErrorCounts counts(dev);
   upload_all({&slot_mapping, &kv_c, &k_pe, &cache.scale});
   cache.data->upload();
@@ -190,6 +212,80 @@ std::vector<ConcatCase> concat_cases() {
       {"dsmla_pow2", CacheFormat::kFloat8DsMla, 0, true, false, bf16, 512, 64, 1},
   };
 }
+
+// ---- fp8_ds_mla tiles with NaN and zeros: hand-computed bytes -----------------------------------
+// The documented rules, not the code (DESIGN.md, docs/decisions.md): a tile's amax starts at 0 and
+// ignores NaN; scale = max(amax / 448, FLT_MIN), rounded up to a power of two with pow2; byte =
+// e4m3(x / scale) with IEEE division, saturating, round to nearest even; NaN becomes 0x7f; the rope
+// part is k_pe in bf16, unquantized. One token, bf16, its four tiles:
+//   tile 0: NaN, 3, -3, 1.5, then 0s: amax 3. scale = fl(3 / 448); 3 / scale is 448 within an ulp
+//           and rounds (or saturates) to 448 = 0x7e, -3 gives 0xfe, 1.5 gives 224 = 0x76.
+//           pow2: 3 / 448 = 0.0067 rounds up to 2^-7, and 3 -> 384 = 0x7c, -3 -> 0xfc,
+//           1.5 -> 192 = 0x74. NaN -> 0x7f, 0 -> 0x00 in both. (Were the NaN counted, the scale
+//           would be the floor and 1.5 would saturate.)
+//   tile 1: tile 0 with 0 in the NaN's place: the same scale and bytes, 0x00 for the NaN's.
+//   tile 2: all 0: amax 0, scale FLT_MIN (a power of two already), bytes 0x00.
+//   tile 3: all NaN: amax 0 (nothing counted), scale FLT_MIN, bytes 0x7f.
+class DsMlaTiles : public testing::TestWithParam<Backend> {};
+
+TEST_P(DsMlaTiles, NanAndZeroTilesHandComputed) {
+  const Device dev = GetParam().device;
+  for (bool pow2 : {false, true}) {
+    SCOPED_TRACE(pow2 ? "pow2" : "plain");
+    CacheGeometry g;
+    g.format = CacheFormat::kFloat8DsMla;
+    g.num_blocks = 1;
+    g.block_size = 2;
+    g.pow2 = pow2;
+    TestCache cache = new_cache(dev, g);
+    std::mt19937_64 rng(77);
+    Tensor kv_c = new_tensor(dev, DType::kBFloat16, {1, 512});
+    Tensor k_pe = random_tensor(dev, DType::kBFloat16, {1, 64}, rng);
+    auto at = [&](int64_t k) { return kv_c.buffer->host.data() + kv_c.byte_offset({0, k}); };
+    for (int64_t k = 0; k < 512; ++k) ref::store_value(at(k), DType::kBFloat16, 0.0f);
+    for (int64_t k = 384; k < 512; ++k) std::memcpy(at(k), "\xc0\x7f", 2);  // bf16 NaN 0x7fc0
+    std::memcpy(at(0), "\xc0\x7f", 2);
+    for (int64_t tile : {0, 1}) {
+      ref::store_value(at(tile * 128 + 1), DType::kBFloat16, 3.0f);
+      ref::store_value(at(tile * 128 + 2), DType::kBFloat16, -3.0f);
+      ref::store_value(at(tile * 128 + 3), DType::kBFloat16, 1.5f);
+    }
+    Tensor slot_mapping = index_tensor(dev, DType::kInt64, {1});
+    upload_all({&kv_c, &k_pe});
+    cache.data->upload();
+
+    ConcatAndCacheMlaParams p;
+    p.num_tokens = 1;
+    p.kv_c = kv_c.device_view();
+    p.k_pe = k_pe.device_view();
+    p.slot_mapping = slot_mapping.device_view();
+    p.kv_cache = cache.device_view();
+    concat_and_cache_mla(p);
+
+    std::vector<uint8_t> entry(kDsMlaLatentDim, 0x00);
+    entry[0] = 0x7f;
+    for (int64_t tile : {0, 1}) {
+      entry[tile * 128 + 1] = pow2 ? 0x7c : 0x7e;
+      entry[tile * 128 + 2] = pow2 ? 0xfc : 0xfe;
+      entry[tile * 128 + 3] = pow2 ? 0x74 : 0x76;
+    }
+    std::fill(entry.begin() + 384, entry.end(), uint8_t{0x7f});
+    const float scale = pow2 ? 0.0078125f : 3.0f / 448.0f;
+    const float scales[kDsMlaNumTiles] = {scale, scale, FLT_MIN, FLT_MIN};
+    entry.insert(entry.end(), reinterpret_cast<const uint8_t*>(scales),
+                 reinterpret_cast<const uint8_t*>(scales) + sizeof(scales));
+    entry.insert(entry.end(), k_pe.buffer->host.begin(), k_pe.buffer->host.end());
+    ASSERT_EQ(static_cast<int64_t>(entry.size()), cache_entry_bytes(g.format, g.L, g.R));
+
+    // Slot 1 holds the entry; slot 0 keeps the sentinel.
+    std::vector<uint8_t> expected(cache.data->bytes(), kSentinelByte);
+    std::copy(entry.begin(), entry.end(),
+              expected.begin() + ref::cache_latent_offset_bytes(cache.host_view(), 1));
+    EXPECT_TRUE(bytes_equal(cache.data->download(), expected, "fp8_ds_mla cache"));
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(All, DsMlaTiles, testing::ValuesIn(all_backends()), backend_param_name);
 
 // ---- decode_q_concat ---------------------------------------------------------------------------
 struct QConcatCase {
