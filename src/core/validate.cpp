@@ -464,7 +464,8 @@ class MemoryCheck {
   explicit MemoryCheck(Validator& v) : v_(v) {}
 
   void input(const Span& s) { inputs_.push_back(s); }
-  // An output view's rows [0, rows): also checked against itself.
+  // An output view's rows [first_row, end_row) (end_row < 0: all); its rows [0, end_row) are
+  // also checked against one another.
   void output(const char* name, const TensorView& t, int64_t end_row = -1, int64_t first_row = 0) {
     MLAKV_ARG_CHECK(v_, !rows_overlap(t, end_row), name,
                     "expected rows that do not overlap each other (an output), got ", t.describe());
