@@ -395,6 +395,47 @@ INSTANTIATE_TEST_SUITE_P(All, GatherEmptyTable, testing::ValuesIn(all_backends()
 // ---- ctx.num_threads above the hardware's ------------------------------------------------------
 // context.h: more threads than the hardware has count as all of them (never handed to the OpenMP
 // runtime as asked). A row block large enough to run in parallel gives the default's bytes.
+// eps = 0 is a valid RMSNorm eps (as in rmsnorm_quant): a nonzero row is normalized as the
+// reference does; an all-zero row gives NaN everywhere (0 * rsqrt(0 + 0)), on every backend.
+class RmsNormEpsZero : public testing::TestWithParam<Backend> {};
+
+TEST_P(RmsNormEpsZero, NonzeroRowsNormalizedZeroRowsNaN) {
+  const Device dev = GetParam().device;
+  std::mt19937_64 rng(908);
+  const int64_t N = 512;
+  Tensor input = random_tensor(dev, DType::kBFloat16, {2, N}, rng, 3.0f);
+  std::fill(input.buffer->host.begin() + N * 2, input.buffer->host.end(), uint8_t{0});  // row 1
+  Tensor weight = random_tensor(dev, DType::kBFloat16, {N}, rng, 1.5f);
+  Tensor output = poisoned_tensor(dev, DType::kBFloat16, {2, N});
+  for (const Tensor* t : {&input, &weight, &output}) t->buffer->upload();
+  RmsNormParams host, device;
+  for (auto [p, on_host] : {std::pair{&host, true}, std::pair{&device, false}}) {
+    auto v = [&](const Tensor& t) { return on_host ? t.host_view() : t.device_view(); };
+    p->num_tokens = 2;
+    p->input = v(input);
+    p->weight = v(weight);
+    p->eps = 0.0f;
+    p->output = v(output);
+  }
+  ref::rms_norm(host);
+  rms_norm(device);
+  // Row 0 as the reference; row 1 checked below (NaN payloads may differ).
+  std::vector<TolerantRange> tolerant =
+      rows_tolerant(output, 1, 0, N, norm_tolerance_codes(DType::kBFloat16, DType::kBFloat16));
+  tolerant.push_back({N * 2, N, 2, int64_t{1} << 20});
+  EXPECT_TRUE(buffer_matches(*output.buffer, "output", tolerant));
+  const std::vector<uint8_t> got = output.buffer->download();
+  int64_t not_nan = 0;
+  for (int64_t i = N; i < 2 * N; ++i) {
+    const uint16_t bits = static_cast<uint16_t>(got[2 * i] | got[2 * i + 1] << 8);
+    not_nan += (bits & 0x7f80) != 0x7f80 || (bits & 0x7f) == 0;
+  }
+  EXPECT_EQ(not_nan, 0) << "elements of the all-zero row that are not NaN";
+}
+
+INSTANTIATE_TEST_SUITE_P(All, RmsNormEpsZero, testing::ValuesIn(all_backends()),
+                         backend_param_name);
+
 TEST(CpuThreads, CountAboveTheHardwareIsCapped) {
   std::mt19937_64 rng(907);
   const int64_t T = 2048, N = 1024;

@@ -317,9 +317,11 @@ TEST_F(MlaValidation, NormWeightWrongSize) {
   reject(p_, "kv_norm_weight");
 }
 
-TEST_F(MlaValidation, NormEpsNotPositive) {
-  p_.kv_norm_eps = 0.0f;
-  reject(p_, "kv_norm_eps");
+TEST_F(MlaValidation, NormEpsNegativeOrNotFinite) {
+  for (const float eps : {-1e-6f, -1e-30f, NAN, INFINITY}) {
+    p_.kv_norm_eps = eps;
+    reject(p_, "kv_norm_eps");
+  }
 }
 
 TEST_F(MlaValidation, CacheGeometryMismatch) {
@@ -351,6 +353,32 @@ TEST_F(MlaValidation, CacheStrideMisaligned) {
   p_.kv_cache.stride_token_bytes += 1;
   p_.kv_cache.stride_block_bytes = kBlockSize * p_.kv_cache.stride_token_bytes;
   reject(p_, "kv_cache");
+}
+
+// Sizes whose byte products pass 2^56 (or int64) are rejected before any product is used: no
+// offset an op computes can wrap.
+TEST_F(MlaValidation, ViewPastTheExtentLimit) {
+  p_.kv_c.shape[0] = int64_t{1} << 50;  // 2^50 rows of 1 KB
+  reject(p_, "kv_c: expected a view spanning less than 2^56 bytes");
+}
+
+TEST_F(MlaValidation, CacheSlotCountOverflows) {
+  p_.kv_cache.num_blocks = int64_t{1} << 61;  // num_blocks * block_size passes int64
+  reject(p_, "kv_cache: expected num_blocks * block_size below 2^56");
+}
+
+TEST_F(MlaValidation, CacheBlockStrideProductOverflows) {
+  p_.kv_cache.block_size = int64_t{1} << 40;  // block_size * stride_token_bytes passes int64
+  p_.kv_cache.stride_token_bytes = int64_t{1} << 30;
+  reject(p_, "kv_cache: expected stride_block_bytes >= block_size * stride_token_bytes");
+}
+
+TEST_F(MlaValidation, CachePastTheExtentLimit) {
+  // Strides consistent with each other, the entries 2^57 bytes long in all.
+  p_.kv_cache.num_blocks = int64_t{1} << 44;
+  p_.kv_cache.stride_block_bytes = int64_t{1} << 13;  // 4 entries of 2 KB
+  p_.kv_cache.stride_token_bytes = int64_t{1} << 11;
+  reject(p_, "kv_cache: expected entries spanning less than 2^56 bytes");
 }
 
 TEST_F(MlaValidation, CacheMisalignedData) {
@@ -955,6 +983,57 @@ TEST(Validation, DescribeAndViews) {
   EXPECT_FALSE(s.is_contiguous());
   EXPECT_EQ(mlakv::device_name({mlakv::DeviceType::kCUDA, 3}), "cuda:3");
   EXPECT_THROW(mlakv::make_strided_view(dummy, DType::kFloat32, {2, 2}, {1}), mlakv::Error);
+}
+
+// A view whose last byte would pass the top of the address space, and one past 2^56 bytes, are
+// rejected by every validator (the rms_norm and rmsnorm_quant ones here; the views are never
+// dereferenced). numel() saturates instead of overflowing; the cache helpers check their products.
+TEST(Validation, ExtentLimits) {
+  constexpr int64_t N = 1024;
+  std::vector<uint16_t> weight(N), rows(4 * N);
+  mlakv::RmsNormParams p;
+  p.num_tokens = 2;
+  p.weight = mlakv::make_view(weight.data(), DType::kBFloat16, {N});
+  p.output = mlakv::make_view(rows.data(), DType::kBFloat16, {2, N});
+  // 4 KB (its size) before the top of the address space: one past its last byte wraps to 0.
+  p.input = mlakv::make_view(reinterpret_cast<void*>(UINTPTR_MAX - 4095), DType::kBFloat16, {2, N});
+  expect_rejected(
+      Arena{}, [&] { mlakv::rms_norm(p); }, "input: expected a view spanning less than 2^56");
+  p.input = mlakv::make_view(rows.data() + 2 * N, DType::kBFloat16, {2, N});
+  p.output.shape[0] = int64_t{1} << 47;  // 2^47 rows of 2 KB
+  expect_rejected(
+      Arena{}, [&] { mlakv::rms_norm(p); }, "output: expected a view spanning less than 2^56");
+
+  std::vector<uint8_t> values(2 * N);
+  std::vector<float> scales(2 * 8);
+  mlakv::RmsNormQuantParams q;
+  q.num_tokens = 2;
+  q.input = mlakv::make_view(rows.data(), DType::kBFloat16, {2, N});
+  q.weight = p.weight;
+  q.quant.values = mlakv::make_view(values.data(), DType::kFloat8E4M3, {2, N});
+  q.quant.scales = mlakv::make_view(scales.data(), DType::kFloat32, {2, 8});
+  q.quant.scales.shape[0] = int64_t{1} << 55;  // 2^55 rows of 32 bytes
+  expect_rejected(
+      Arena{}, [&] { mlakv::rmsnorm_quant(q); },
+      "quant.scales: expected a view spanning less than 2^56");
+  q.quant.scales.shape[0] = 2;
+  q.input.stride[0] = int64_t{1} << 62;
+  expect_rejected(
+      Arena{}, [&] { mlakv::rmsnorm_quant(q); }, "input: expected a view spanning less than 2^56");
+
+  TensorView big = mlakv::make_view(static_cast<void*>(nullptr), DType::kBFloat16, {1, 1});
+  big.shape[0] = big.shape[1] = int64_t{1} << 40;
+  EXPECT_EQ(big.numel(), INT64_MAX);
+  big.ndim = 3;
+  big.shape[2] = 0;
+  EXPECT_EQ(big.numel(), 0);
+  EXPECT_THROW(mlakv::make_cache_view(static_cast<void*>(nullptr), CacheFormat::kBFloat16,
+                                      int64_t{1} << 50, 64, 512, 64),
+               mlakv::Error);
+  EXPECT_THROW(mlakv::cache_bytes(CacheFormat::kBFloat16, int64_t{1} << 62, 4, 512, 64),
+               mlakv::Error);
+  EXPECT_THROW(mlakv::cache_entry_bytes(CacheFormat::kBFloat16, int64_t{1} << 62, 64),
+               mlakv::Error);
 }
 
 TEST(Validation, ErrorCountsArguments) {

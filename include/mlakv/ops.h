@@ -59,10 +59,10 @@ struct MlaRopeCacheParams {
   TensorView kv_c;            // [>=T, L], model dtype
   TensorView k_pe;            // [>=T, R], model dtype
   TensorView kv_norm_weight;  // optional [L], model dtype: RMSNorm weight (kv_a_layernorm)
-  float kv_norm_eps = 1e-6f;
-  KVCacheView kv_cache;  // entry geometry L, R
-  TensorView k_pe_out;   // optional [>=T, R], model dtype; may be k_pe itself
-  TensorView kv_c_out;   // optional [>=T, L], model dtype; may be kv_c itself
+  float kv_norm_eps = 1e-6f;  // finite, >= 0
+  KVCacheView kv_cache;       // entry geometry L, R
+  TensorView k_pe_out;        // optional [>=T, R], model dtype; may be k_pe itself
+  TensorView kv_c_out;        // optional [>=T, L], model dtype; may be kv_c itself
 
   // Decode Q side, rows [0, Td).
   TensorView q_pe;                 // [>=Td, H, R], model dtype
@@ -122,8 +122,8 @@ struct RmsNormParams {
   int64_t num_tokens = 0;  // T
   TensorView input;        // [>=T, N], model dtype
   TensorView weight;       // [N], model dtype
-  float eps = 1e-6f;
-  TensorView output;  // [>=T, N], model dtype; may be input itself
+  float eps = 1e-6f;       // finite, >= 0
+  TensorView output;       // [>=T, N], model dtype; may be input itself
 };
 void rms_norm(const RmsNormParams& params, const Context& ctx = {});
 

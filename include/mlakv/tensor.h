@@ -52,7 +52,7 @@ struct TensorView {
 
   bool present() const { return ndim > 0; }
   int64_t size(int dim) const { return shape[dim]; }
-  int64_t numel() const;
+  int64_t numel() const;  // the sizes' product: 0 when one is <= 0, INT64_MAX past int64
   bool is_contiguous() const;
   std::string describe() const;  // "bfloat16[16, 128, 576] strides [73728, 576, 1] on cuda:0"
 };

@@ -3,6 +3,7 @@
 
 #include <cstring>
 
+#include "core/spans.h"
 #include "mlakv/context.h"
 #include "mlakv/error.h"
 #include "mlakv/ops.h"
@@ -75,15 +76,35 @@ int64_t cache_entry_bytes(CacheFormat format, int64_t L, int64_t R) {
                 " and R = ", kDsMlaRopeDim, ", got L = ", L, ", R = ", R);
     return kDsMlaEntryBytes;
   }
-  return (L + R) * static_cast<int64_t>(dtype_size(cache_latent_dtype(format)));
+  int64_t bytes = 0;
+  MLAKV_CHECK(
+      L < core::kMaxExtentBytes && R < core::kMaxExtentBytes &&
+          core::checked_mul_add(L + R, static_cast<int64_t>(dtype_size(cache_latent_dtype(format))),
+                                0, &bytes),
+      "cache_entry_bytes: expected an entry below 2^", core::kMaxExtentLog2, " bytes, got L = ", L,
+      ", R = ", R);
+  return bytes;
 }
 
 namespace {
+// num_blocks * block_size entries, in bytes, below core::kMaxExtentBytes (or an error naming op).
+int64_t checked_cache_bytes(const char* op, CacheFormat format, int64_t num_blocks,
+                            int64_t block_size, int64_t L, int64_t R) {
+  const int64_t entry = cache_entry_bytes(format, L, R);
+  int64_t slots = 0, bytes = 0;
+  MLAKV_CHECK(core::checked_mul_add(num_blocks, block_size, 0, &slots) &&
+                  core::checked_mul_add(slots, entry, 0, &bytes),
+              op, ": expected a cache below 2^", core::kMaxExtentLog2, " bytes, got ", num_blocks,
+              " blocks of ", block_size, " entries of ", entry, " bytes");
+  return bytes;
+}
+
 // The geometry both layouts share; `op` names the caller in the error message.
 KVCacheView cache_geometry(const char* op, CacheFormat format, int64_t num_blocks,
                            int64_t block_size, int64_t L, int64_t R, Device device) {
   MLAKV_CHECK(num_blocks >= 0 && block_size >= 1, op, ": expected num_blocks >= 0 and ",
               "block_size >= 1, got num_blocks = ", num_blocks, ", block_size = ", block_size);
+  checked_cache_bytes(op, format, num_blocks, block_size, L, R);
   KVCacheView v;
   v.format = format;
   v.device = device;
@@ -125,7 +146,9 @@ KVCacheView make_split_cache_view(void* latent_data, void* rope_data, CacheForma
 
 int64_t cache_bytes(CacheFormat format, int64_t num_blocks, int64_t block_size, int64_t L,
                     int64_t R) {
-  return num_blocks * block_size * cache_entry_bytes(format, L, R);
+  MLAKV_CHECK(num_blocks >= 0 && block_size >= 0, "cache_bytes: expected num_blocks >= 0 and ",
+              "block_size >= 0, got num_blocks = ", num_blocks, ", block_size = ", block_size);
+  return checked_cache_bytes("cache_bytes", format, num_blocks, block_size, L, R);
 }
 
 const char* rope_style_name(RopeStyle style) {

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "core/rmsnorm_quant_args.h"
+#include "core/spans.h"
 #include "mlakv/error.h"
 
 namespace mlakv {
@@ -23,39 +24,6 @@ constexpr int64_t kMinGroupSize = 16;
 constexpr int64_t kMaxGroupSize = 256;
 
 bool is_pow2(int64_t v) { return v > 0 && (v & (v - 1)) == 0; }
-
-// The bytes of a 2-D view touched for rows [0, num_rows): rows of row_bytes every stride_bytes.
-struct Region {
-  std::string name;
-  const uint8_t* begin = nullptr;
-  int64_t num_rows = 0;
-  int64_t row_bytes = 0;     // contiguous bytes per row (for column-major scales: one element)
-  int64_t stride_bytes = 0;  // between rows
-  int64_t span_bytes() const {
-    return num_rows <= 0 ? 0 : (num_rows - 1) * stride_bytes + row_bytes;
-  }
-};
-
-// Conservative overlap test: disjoint spans, or rows with the same stride whose column ranges
-// interleave without meeting, do not overlap.
-bool overlaps(const Region& a, const Region& b) {
-  if (a.num_rows <= 0 || b.num_rows <= 0 || a.row_bytes <= 0 || b.row_bytes <= 0) return false;
-  const uint8_t* a_end = a.begin + a.span_bytes();
-  const uint8_t* b_end = b.begin + b.span_bytes();
-  if (a_end <= b.begin || b_end <= a.begin) return false;
-  if (a.stride_bytes == b.stride_bytes && a.stride_bytes > 0 && a.num_rows > 1 && b.num_rows > 1) {
-    const int64_t s = a.stride_bytes;
-    const int64_t delta = ((b.begin - a.begin) % s + s) % s;
-    if (a.row_bytes <= delta && delta + b.row_bytes <= s) return false;
-  }
-  return true;
-}
-
-// An output that may be exactly its input (same pointer, same row stride).
-struct InPlacePair {
-  std::string output;
-  std::string input;
-};
 
 class Validator {
  public:
@@ -97,6 +65,22 @@ class Validator {
     }
   }
 
+  // The view's bytes fit below core::kMaxExtentBytes from its address (spans.h); sizes and
+  // strides are checked non-negative first.
+  void check_extent(const std::string& arg, const TensorView& v) const {
+    for (int d = 0; d < v.ndim; ++d) {
+      if (v.shape[d] < 0 || v.stride[d] < 0) {
+        fail(arg, "expected sizes and strides >= 0, got " + v.describe());
+      }
+    }
+    int64_t bytes = 0;
+    if (!core::extent_bytes(v, &bytes)) {
+      fail(arg, "expected a view spanning less than 2^" + std::to_string(core::kMaxExtentLog2) +
+                    " bytes from its address, got " + v.describe() + " at address " +
+                    pointer_string(v.data));
+    }
+  }
+
   // A [>=T, N] per-token tensor of `dtype`, innermost stride 1, 16-byte aligned rows.
   void check_rows(const std::string& arg, const TensorView& v, DType dtype, int64_t N,
                   const char* dtype_text) {
@@ -114,6 +98,7 @@ class Validator {
                     "], got " + v.describe());
     }
     if (v.stride[1] != 1) fail(arg, "expected innermost stride 1, got " + v.describe());
+    check_extent(arg, v);
     if (num_tokens_ > 1 && v.stride[0] < N) {
       fail(arg, "expected a row stride >= " + std::to_string(N) + " (rows must not overlap), got " +
                     v.describe());
@@ -140,6 +125,7 @@ class Validator {
                     " (the dtype of the input), got " + v.describe());
     }
     if (N > 1 && v.stride[0] != 1) fail(arg, "expected stride 1, got " + v.describe());
+    check_extent(arg, v);
     if (v.data == nullptr) fail(arg, "expected non-null data, got nullptr");
     check_aligned(arg, v, kVectorBytes);
   }
@@ -155,27 +141,15 @@ class Validator {
   bool have_device_ = false;
 };
 
-Region rows_region(const std::string& name, const TensorView& v, int64_t num_tokens) {
-  Region r;
-  r.name = name;
-  r.begin = static_cast<const uint8_t*>(v.data);
-  r.num_rows = num_tokens;
-  const int64_t elem = static_cast<int64_t>(dtype_size(v.dtype));
-  r.row_bytes = v.shape[1] * elem;
-  r.stride_bytes = v.stride[0] * elem;
-  return r;
-}
-
-// Validates one RMSNorm (+ quantization) job; fills `task` and appends its memory regions.
+// Validates one RMSNorm (+ quantization) job; fills `task` and adds its tensors to `m`.
 // `prefix` names the job's arguments ("" or "q." / "kv.").
 // `required_dtype` (the dual form's kv part) must match the q part's model dtype. An output named
-// `normed_out_name` that is exactly the input is recorded in `in_place_ok`.
+// `normed_out_name` that is exactly the input is allowed to be it.
 void validate_task(const std::string& prefix, int64_t num_tokens, const TensorView& input,
                    const TensorView* weight, float eps, const TensorView* residual,
                    const TensorView* normed_out, const std::string& normed_out_name,
                    const Fp8GroupQuantOutput* quant, const DType* required_dtype, Validator& v,
-                   core::RmsNormQuantTask& task, std::vector<Region>& inputs,
-                   std::vector<Region>& outputs, std::vector<InPlacePair>& in_place_ok) {
+                   core::RmsNormQuantTask& task, core::MemoryCheck& m) {
   const std::string p = prefix;
   if (num_tokens < 0) v.fail(p + "num_tokens", "expected >= 0, got " + std::to_string(num_tokens));
   if (!input.present()) v.fail(p + "input", "expected a [T, N] model-dtype tensor, got none");
@@ -203,7 +177,8 @@ void validate_task(const std::string& prefix, int64_t num_tokens, const TensorVi
   task.hidden = N;
   task.input = input.data;
   task.stride_input_token = input.stride[0];
-  inputs.push_back(rows_region(p + "input", input, num_tokens));
+  const char* input_name = m.name(p + "input");
+  m.input(core::span_of(input_name, input, num_tokens));
 
   if (weight != nullptr) {
     v.check_weight(p + "weight", *weight, dt, N);
@@ -212,20 +187,14 @@ void validate_task(const std::string& prefix, int64_t num_tokens, const TensorVi
     }
     task.weight = weight->data;
     task.eps = eps;
-    Region w;
-    w.name = p + "weight";
-    w.begin = static_cast<const uint8_t*>(weight->data);
-    w.num_rows = 1;
-    w.row_bytes = N * static_cast<int64_t>(dtype_size(dt));
-    w.stride_bytes = w.row_bytes;
-    inputs.push_back(w);
+    m.input(core::span_of(m.name(p + "weight"), *weight));
   }
 
   if (residual != nullptr && residual->present()) {
     v.check_rows(p + "residual", *residual, dt, N, "model-dtype");
     task.residual = residual->data;
     task.stride_residual_token = residual->stride[0];
-    outputs.push_back(rows_region(p + "residual", *residual, num_tokens));
+    m.output(m.name(p + "residual"), *residual, num_tokens);
   }
 
   if (normed_out != nullptr && normed_out->present()) {
@@ -235,8 +204,9 @@ void validate_task(const std::string& prefix, int64_t num_tokens, const TensorVi
     task.stride_normed_out_token = normed_out->stride[0];
     const bool in_place = normed_out->data == input.data &&
                           (normed_out->stride[0] == input.stride[0] || num_tokens <= 1);
-    if (in_place) in_place_ok.push_back({on, p + "input"});
-    outputs.push_back(rows_region(on, *normed_out, num_tokens));
+    const char* out_name = m.name(on);
+    if (in_place) m.allow(out_name, input_name);
+    m.output(out_name, *normed_out, num_tokens);
   }
 
   if (quant == nullptr) return;
@@ -269,6 +239,7 @@ void validate_task(const std::string& prefix, int64_t num_tokens, const TensorVi
     v.fail(sn, "expected shape " + shape_text + " (N / group_size = " + std::to_string(N) + " / " +
                    std::to_string(G) + " groups), got " + s.describe());
   }
+  v.check_extent(sn, s);
   const int64_t rows = s.shape[0];
   const bool row_major = s.stride[1] == 1 && (s.stride[0] >= num_groups || rows <= 1);
   const bool col_major = s.stride[0] == 1 && (s.stride[1] >= rows || num_groups == 1);
@@ -289,46 +260,8 @@ void validate_task(const std::string& prefix, int64_t num_tokens, const TensorVi
   task.scale_floor = quant->scale_floor;
   task.pow2_scale = quant->pow2_scale;
 
-  outputs.push_back(rows_region(p + "quant.values", quant->values, num_tokens));
-  Region sr;
-  sr.name = sn;
-  sr.begin = static_cast<const uint8_t*>(s.data);
-  if (row_major) {
-    sr.num_rows = num_tokens;
-    sr.row_bytes = num_groups * 4;
-    sr.stride_bytes = task.stride_scales_token * 4;
-  } else {
-    sr.num_rows = num_tokens > 0 ? num_groups : 0;
-    sr.row_bytes = num_tokens * 4;
-    sr.stride_bytes = task.stride_scales_group * 4;
-  }
-  outputs.push_back(sr);
-}
-
-// Every output must be disjoint from every other tensor of the op, except the in-place pairs.
-void check_overlaps(const char* op, const std::vector<Region>& inputs,
-                    const std::vector<Region>& outputs,
-                    const std::vector<InPlacePair>& in_place_ok) {
-  auto allowed = [&](const std::string& out, const std::string& in) {
-    for (const auto& pair : in_place_ok) {
-      if (pair.output == out && pair.input == in) return true;
-    }
-    return false;
-  };
-  for (size_t i = 0; i < outputs.size(); ++i) {
-    const Region& o = outputs[i];
-    for (const Region& in : inputs) {
-      if (!overlaps(o, in) || allowed(o.name, in.name)) continue;
-      MLAKV_FAIL(op, ": ", o.name, ": expected memory disjoint from ", in.name,
-                 " (only the normalized output may be its input itself), got overlapping ranges");
-    }
-    for (size_t j = 0; j < i; ++j) {
-      if (overlaps(o, outputs[j])) {
-        MLAKV_FAIL(op, ": ", o.name, ": expected memory disjoint from ", outputs[j].name,
-                   ", got overlapping ranges");
-      }
-    }
-  }
+  m.output(m.name(p + "quant.values"), quant->values, num_tokens);
+  m.output(m.name(sn), s, num_tokens);
 }
 
 // The Context fields these ops use (they count no errors: error_counts and checked are unused).
@@ -360,13 +293,11 @@ void rmsnorm_quant(const RmsNormQuantParams& params, const Context& ctx) {
   Validator v(kOp, params.num_tokens);
   core::RmsNormQuantArgs args;
   args.num_tasks = 1;
-  std::vector<Region> inputs, outputs;
-  std::vector<InPlacePair> in_place_ok;
+  core::MemoryCheck m(kOp);
   validate_task("", params.num_tokens, params.input, &params.weight, params.eps, &params.residual,
-                &params.normed_out, "normed_out", &params.quant, nullptr, v, args.tasks[0], inputs,
-                outputs, in_place_ok);
+                &params.normed_out, "normed_out", &params.quant, nullptr, v, args.tasks[0], m);
   args.model_dtype = params.input.dtype;
-  check_overlaps(kOp, inputs, outputs, in_place_ok);
+  m.check();
   check_context(kOp, ctx);
   dispatch(args, v.device(), ctx);
 }
@@ -375,12 +306,11 @@ void mla_rmsnorm_quant(const MlaRmsNormQuantParams& params, const Context& ctx) 
   constexpr const char* kOp = "mla_rmsnorm_quant";
   core::RmsNormQuantArgs args;
   args.num_tasks = 2;
-  std::vector<Region> inputs, outputs;
-  std::vector<InPlacePair> in_place_ok;
+  core::MemoryCheck m(kOp);
   Validator vq(kOp, params.q.num_tokens);
   validate_task("q.", params.q.num_tokens, params.q.input, &params.q.weight, params.q.eps,
                 &params.q.residual, &params.q.normed_out, "normed_out", &params.q.quant, nullptr,
-                vq, args.tasks[0], inputs, outputs, in_place_ok);
+                vq, args.tasks[0], m);
   args.model_dtype = params.q.input.dtype;
   // The kv part continues the q part's device check: one op, one device.
   Validator vkv(kOp, params.kv.num_tokens);
@@ -390,8 +320,8 @@ void mla_rmsnorm_quant(const MlaRmsNormQuantParams& params, const Context& ctx) 
   }
   validate_task("kv.", params.kv.num_tokens, params.kv.input, &params.kv.weight, params.kv.eps,
                 nullptr, &params.kv.output, "output", nullptr, &args.model_dtype, vkv,
-                args.tasks[1], inputs, outputs, in_place_ok);
-  check_overlaps(kOp, inputs, outputs, in_place_ok);
+                args.tasks[1], m);
+  m.check();
   check_context(kOp, ctx);
   dispatch(args, vq.device(), ctx);
 }
@@ -401,12 +331,11 @@ void per_token_group_quant_fp8(const PerTokenGroupQuantParams& params, const Con
   Validator v(kOp, params.num_tokens);
   core::RmsNormQuantArgs args;
   args.num_tasks = 1;
-  std::vector<Region> inputs, outputs;
-  std::vector<InPlacePair> in_place_ok;
+  core::MemoryCheck m(kOp);
   validate_task("", params.num_tokens, params.input, nullptr, 0.0f, nullptr, nullptr, "",
-                &params.quant, nullptr, v, args.tasks[0], inputs, outputs, in_place_ok);
+                &params.quant, nullptr, v, args.tasks[0], m);
   args.model_dtype = params.input.dtype;
-  check_overlaps(kOp, inputs, outputs, in_place_ok);
+  m.check();
   check_context(kOp, ctx);
   dispatch(args, v.device(), ctx);
 }

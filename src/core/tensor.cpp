@@ -1,6 +1,7 @@
 // mlakv: dtypes, devices and TensorView helpers.
 #include "mlakv/tensor.h"
 
+#include <cstdint>
 #include <sstream>
 #include <string>
 
@@ -66,8 +67,13 @@ std::string device_name(Device device) {
 
 int64_t TensorView::numel() const {
   if (ndim <= 0) return 0;
+  for (int d = 0; d < ndim && d < kMaxDims; ++d) {
+    if (shape[d] <= 0) return 0;
+  }
   int64_t n = 1;
-  for (int d = 0; d < ndim && d < kMaxDims; ++d) n *= shape[d];
+  for (int d = 0; d < ndim && d < kMaxDims; ++d) {
+    if (__builtin_mul_overflow(n, shape[d], &n)) return INT64_MAX;
+  }
   return n;
 }
 

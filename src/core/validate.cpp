@@ -10,6 +10,7 @@
 #include <utility>
 #include <vector>
 
+#include "core/spans.h"
 #include "mlakv/cache.h"
 #include "mlakv/error.h"
 
@@ -23,27 +24,6 @@ constexpr int64_t kLatentMultiple = 16;
 
 bool aligned(const void* ptr, size_t alignment) {
   return reinterpret_cast<uintptr_t>(ptr) % alignment == 0;
-}
-
-// Byte range [lo, hi) a view spans (non-negative strides, as validated); empty when numel == 0.
-struct ByteRange {
-  uintptr_t lo = 0;
-  uintptr_t hi = 0;
-};
-ByteRange byte_range(const TensorView& t) {
-  ByteRange r;
-  if (t.numel() <= 0) return r;
-  int64_t last = 0;
-  for (int d = 0; d < t.ndim; ++d) last += (t.shape[d] - 1) * t.stride[d];
-  const int64_t elem = static_cast<int64_t>(dtype_size(t.dtype));
-  r.lo = reinterpret_cast<uintptr_t>(t.data);
-  r.hi = r.lo + static_cast<uintptr_t>((last + 1) * elem);
-  return r;
-}
-bool overlap(const TensorView& a, const TensorView& b) {
-  const ByteRange ra = byte_range(a);
-  const ByteRange rb = byte_range(b);
-  return ra.lo < ra.hi && rb.lo < rb.hi && ra.lo < rb.hi && rb.lo < ra.hi;
 }
 
 // Throws mlakv::Error "op: name: parts..." when cond is false. A macro, so that the message parts
@@ -103,12 +83,16 @@ class Validator {
       MLAKV_ARG_CHECK(*this, t.stride[d] > 0 || (t.stride[d] == 0 && t.shape[d] <= 1), name,
                       "expected positive strides (0 only on size-1 dims), got ", t.describe());
     }
-    MLAKV_ARG_CHECK(*this, t.data != nullptr || t.numel() == 0, name, "expected non-null data for ",
-                    t.numel(), " elements, got nullptr for ", t.describe());
     MLAKV_ARG_CHECK(*this,
                     static_cast<int>(t.dtype) >= static_cast<int>(DType::kFloat32) &&
                         static_cast<int>(t.dtype) <= static_cast<int>(DType::kUInt8),
                     name, "expected a known dtype, got dtype value ", static_cast<int>(t.dtype));
+    int64_t bytes = 0;
+    MLAKV_ARG_CHECK(*this, extent_bytes(t, &bytes), name, "expected a view spanning less than 2^",
+                    kMaxExtentLog2, " bytes from its address, got ", t.describe(), " at address ",
+                    t.data);
+    MLAKV_ARG_CHECK(*this, t.data != nullptr || bytes == 0, name, "expected non-null data for ",
+                    t.numel(), " elements, got nullptr for ", t.describe());
     const size_t elem = dtype_size(t.dtype);
     MLAKV_ARG_CHECK(*this, aligned(t.data, elem), name, "expected data aligned to ", elem,
                     " bytes (", dtype_name(t.dtype), "), got address ", t.data, " for ",
@@ -171,8 +155,12 @@ class Validator {
                     ", ", c.rope_dim, ")");
     MLAKV_ARG_CHECK(*this, c.num_blocks >= 0, name, "expected num_blocks >= 0, got ", c.num_blocks);
     MLAKV_ARG_CHECK(*this, c.block_size >= 1, name, "expected block_size >= 1, got ", c.block_size);
-    MLAKV_ARG_CHECK(*this, c.data != nullptr || c.num_slots() == 0, name,
-                    "expected non-null data for ", c.num_slots(), " slots, got nullptr");
+    int64_t num_slots = 0;
+    MLAKV_ARG_CHECK(*this, checked_mul_add(c.num_blocks, c.block_size, 0, &num_slots), name,
+                    "expected num_blocks * block_size below 2^", kMaxExtentLog2, ", got ",
+                    c.num_blocks, " * ", c.block_size);
+    MLAKV_ARG_CHECK(*this, c.data != nullptr || num_slots == 0, name, "expected non-null data for ",
+                    num_slots, " slots, got nullptr");
 
     const bool ds_mla = c.format == CacheFormat::kFloat8DsMla;
     if (ds_mla) {
@@ -199,7 +187,7 @@ class Validator {
     const int64_t rope_elem = static_cast<int64_t>(dtype_size(cache_rope_dtype(c.format)));
     CacheArg a;
     a.format = c.format;
-    a.num_slots = c.num_slots();
+    a.num_slots = num_slots;
     a.block_size = c.block_size;
     a.data = static_cast<uint8_t*>(c.data);
     a.stride_block_bytes = c.stride_block_bytes;
@@ -210,16 +198,16 @@ class Validator {
       // fp8_ds_mla entries hold fp32 tile scales: 4-byte alignment.
       const int64_t align = ds_mla ? 4 : latent_elem;
       const int64_t entry = cache_entry_bytes(c.format, L, R);
-      strides(name, "", c.stride_token_bytes, c.stride_block_bytes, entry, c.block_size, align,
-              c.data);
+      strides(name, "", c.stride_token_bytes, c.stride_block_bytes, entry, c.num_blocks,
+              c.block_size, align, c.data);
       return a;
     }
     MLAKV_ARG_CHECK(*this, c.data != nullptr, name,
                     "split layout needs both data and rope_data, got data nullptr");
-    strides(name, "", c.stride_token_bytes, c.stride_block_bytes, L * latent_elem, c.block_size,
-            latent_elem, c.data);
+    strides(name, "", c.stride_token_bytes, c.stride_block_bytes, L * latent_elem, c.num_blocks,
+            c.block_size, latent_elem, c.data);
     strides(name, "rope_", c.stride_rope_token_bytes, c.stride_rope_block_bytes, R * rope_elem,
-            c.block_size, rope_elem, c.rope_data);
+            c.num_blocks, c.block_size, rope_elem, c.rope_data);
     a.rope_data = static_cast<uint8_t*>(c.rope_data);
     a.stride_rope_block_bytes = c.stride_rope_block_bytes;
     a.stride_rope_token_bytes = c.stride_rope_token_bytes;
@@ -227,19 +215,36 @@ class Validator {
   }
 
  private:
+  // The entries of one part of the cache: strides that keep entries and blocks apart, aligned,
+  // and all of it below kMaxExtentBytes from data (computed without overflow).
   void strides(const char* name, const char* part, int64_t token_bytes, int64_t block_bytes,
-               int64_t entry_bytes, int64_t block_size, int64_t align, const void* data) {
+               int64_t entry_bytes, int64_t num_blocks, int64_t block_size, int64_t align,
+               const void* data) {
     MLAKV_ARG_CHECK(*this, token_bytes >= entry_bytes, name, "expected stride_", part,
                     "token_bytes >= ", entry_bytes, " (the entry), got ", token_bytes);
-    MLAKV_ARG_CHECK(*this, block_bytes >= block_size * token_bytes, name, "expected stride_", part,
-                    "block_bytes >= block_size * stride_", part,
-                    "token_bytes = ", block_size * token_bytes, ", got ", block_bytes);
+    int64_t block_min = 0;
+    MLAKV_ARG_CHECK(
+        *this, checked_mul_add(block_size, token_bytes, 0, &block_min) && block_bytes >= block_min,
+        name, "expected stride_", part, "block_bytes >= block_size * stride_", part,
+        "token_bytes = ", block_size, " * ", token_bytes, ", got ", block_bytes);
     MLAKV_ARG_CHECK(*this, token_bytes % align == 0 && block_bytes % align == 0, name,
                     "expected stride_", part, "token_bytes and stride_", part,
                     "block_bytes multiples of ", align, ", got ", token_bytes, " and ",
                     block_bytes);
     MLAKV_ARG_CHECK(*this, aligned(data, static_cast<size_t>(align)), name, "expected ", part,
                     "data aligned to ", align, " bytes, got address ", data);
+    // The last entry ends (num_blocks - 1) * block_bytes + (block_size - 1) * token_bytes + entry
+    // bytes after data.
+    int64_t extent = 0;
+    MLAKV_ARG_CHECK(
+        *this,
+        num_blocks == 0 ||
+            (checked_mul_add(num_blocks - 1, block_bytes, entry_bytes, &extent) &&
+             checked_mul_add(block_size - 1, token_bytes, extent, &extent) &&
+             reinterpret_cast<uintptr_t>(data) <= UINTPTR_MAX - static_cast<uintptr_t>(extent)),
+        name, "expected ", part, "entries spanning less than 2^", kMaxExtentLog2,
+        " bytes from the cache's address, got ", num_blocks, " blocks of stride_", part,
+        "block_bytes = ", block_bytes, " at address ", data);
   }
 
   const char* op_;
@@ -260,8 +265,10 @@ void check_num_tokens(Validator& v, const char* name, int64_t n) {
   MLAKV_ARG_CHECK(v, n >= 0, name, "expected >= 0, got ", n);
 }
 
+// RMSNorm's eps, the same rule in every op (rmsnorm_quant.cpp too): finite and >= 0 (with 0, an
+// all-zero row normalizes to NaN, as the formula says).
 void check_eps(Validator& v, const char* name, float eps) {
-  MLAKV_ARG_CHECK(v, std::isfinite(eps) && eps > 0.0f, name, "expected a finite value > 0, got ",
+  MLAKV_ARG_CHECK(v, std::isfinite(eps) && eps >= 0.0f, name, "expected a finite value >= 0, got ",
                   eps);
 }
 
@@ -280,14 +287,6 @@ void check_q_out_dtype(Validator& v, const TensorView& q_out, DType model, const
   MLAKV_ARG_CHECK(v, is_model_dtype(q_out.dtype) ? q_out.dtype == model : is_float8(q_out.dtype),
                   "q_out", "expected the model dtype ", dtype_name(model), " (from ", model_from,
                   ") or float8_e4m3fn / float8_e5m2, got ", q_out.describe());
-}
-
-// An input an fp8 q_out is quantized from must not share its memory.
-void check_fp8_source(Validator& v, const char* name, const TensorView& source,
-                      const TensorView& q_out) {
-  MLAKV_ARG_CHECK(v, !overlap(source, q_out), name,
-                  "must not overlap an fp8 q_out (it is quantized from ", name, "), got ",
-                  source.describe(), " and q_out ", q_out.describe());
 }
 
 // q_scale: only with an fp8 q_out, one readable fp32.
@@ -344,169 +343,7 @@ bool exact_alias(Validator& v, const char* name, const TensorView& out, const ch
   return true;
 }
 
-// ---- the memory an op's tensors share ----
-// DESIGN.md: an op writes only its outputs, and an input is modified only where the caller passes
-// an output that IS that input. So every output must share no byte with any other tensor of the
-// op (nor with itself across rows), except the exact aliases the validators allow.
-//
-// A Span is the bytes a (validated: innermost stride 1, positive outer strides) view touches:
-// rows of row_bytes contiguous bytes, at base + sum(i_d * stride_d) over the outer dims. Every
-// byte of a span lies at a residue in [base, base + row_bytes) modulo gcd, the gcd of its outer
-// strides in bytes. Two spans are disjoint when their byte ranges are, or when those residue
-// intervals, taken modulo the gcd of both spans' gcds, do not meet: views interleaved in one
-// buffer (kv_c and k_pe of the kv_a projection's [T, L + R] output, q_out's nope and rope parts).
-// Anything else counts as overlapping, so the test is conservative.
-struct Span {
-  const char* name = "";
-  uintptr_t base = 0;
-  int64_t row_bytes = 0;   // 0: empty
-  int64_t last_row = 0;    // bytes from base to the last row's start
-  int64_t stride_gcd = 0;  // gcd of the outer strides (bytes, dims of size > 1); 0: one row
-};
-
-// The span of view t's rows [first_row, end_row) (end_row < 0: all). Outer dims whose stride
-// continues the row (q [T, H, P + R] with contiguous heads) join the row.
-Span span_of(const char* name, const TensorView& t, int64_t end_row = -1, int64_t first_row = 0) {
-  Span s;
-  s.name = name;
-  if (!t.present() || t.data == nullptr) return s;
-  const int64_t elem = static_cast<int64_t>(dtype_size(t.dtype));
-  int64_t n[kMaxDims] = {};
-  for (int d = 0; d < t.ndim; ++d) {
-    n[d] =
-        d > 0 ? t.shape[d] : (end_row < 0 ? t.shape[0] : std::min(end_row, t.shape[0])) - first_row;
-    if (n[d] <= 0) return s;
-  }
-  int d = t.ndim - 1;
-  s.row_bytes = n[d] * elem;
-  for (--d; d >= 0 && (n[d] == 1 || t.stride[d] * elem == s.row_bytes); --d) {
-    s.row_bytes *= n[d];
-  }
-  for (; d >= 0; --d) {
-    if (n[d] == 1) continue;
-    const int64_t stride = t.stride[d] * elem;
-    s.last_row += (n[d] - 1) * stride;
-    s.stride_gcd = std::gcd(s.stride_gcd, stride);
-  }
-  s.base =
-      reinterpret_cast<uintptr_t>(t.data) + static_cast<uintptr_t>(first_row * t.stride[0] * elem);
-  return s;
-}
-
-// `bytes` contiguous bytes at ptr (a scalar, the error counters).
-Span bytes_span(const char* name, const void* ptr, int64_t bytes) {
-  Span s;
-  s.name = name;
-  if (ptr == nullptr) return s;
-  s.base = reinterpret_cast<uintptr_t>(ptr);
-  s.row_bytes = bytes;
-  return s;
-}
-
-// The entries of a (validated) cache: rows of entry_bytes at data + block * stride_block +
-// token * stride_token.
-Span cache_span(const char* name, const void* data, int64_t num_blocks, int64_t block_size,
-                int64_t stride_block_bytes, int64_t stride_token_bytes, int64_t entry_bytes) {
-  Span s;
-  s.name = name;
-  if (data == nullptr || num_blocks <= 0) return s;
-  s.base = reinterpret_cast<uintptr_t>(data);
-  s.row_bytes = entry_bytes;
-  if (num_blocks > 1) {
-    s.last_row += (num_blocks - 1) * stride_block_bytes;
-    s.stride_gcd = std::gcd(s.stride_gcd, stride_block_bytes);
-  }
-  if (block_size > 1) {
-    s.last_row += (block_size - 1) * stride_token_bytes;
-    s.stride_gcd = std::gcd(s.stride_gcd, stride_token_bytes);
-  }
-  return s;
-}
-
-bool may_overlap(const Span& a, const Span& b) {
-  if (a.row_bytes <= 0 || b.row_bytes <= 0) return false;
-  const uintptr_t a_end = a.base + static_cast<uintptr_t>(a.last_row + a.row_bytes);
-  const uintptr_t b_end = b.base + static_cast<uintptr_t>(b.last_row + b.row_bytes);
-  if (a_end <= b.base || b_end <= a.base) return false;
-  const uintptr_t m = static_cast<uintptr_t>(std::gcd(a.stride_gcd, b.stride_gcd));
-  if (m == 0) return true;  // two single rows whose ranges meet
-  const uintptr_t b_after_a = (b.base % m + m - a.base % m) % m;
-  const uintptr_t a_after_b = (a.base % m + m - b.base % m) % m;
-  return !(b_after_a >= static_cast<uintptr_t>(a.row_bytes) &&
-           a_after_b >= static_cast<uintptr_t>(b.row_bytes));
-}
-
-// True when two rows of an output view may be the same memory: its dims of size > 1, from the
-// smallest stride up, must each step past everything the smaller ones reach (the usual test for
-// non-overlapping strides; a layout that interleaves its own rows counts as overlapping).
-bool rows_overlap(const TensorView& t, int64_t rows) {
-  if (!t.present()) return false;
-  const int64_t elem = static_cast<int64_t>(dtype_size(t.dtype));
-  std::vector<std::pair<int64_t, int64_t>> dims;  // (stride bytes, size)
-  for (int d = 0; d < t.ndim; ++d) {
-    const int64_t n = d == 0 && rows >= 0 ? std::min(rows, t.shape[0]) : t.shape[d];
-    if (n <= 0) return false;
-    if (n > 1) dims.emplace_back(t.stride[d] * elem, n);
-  }
-  std::sort(dims.begin(), dims.end());
-  int64_t reach = elem;  // bytes spanned by the dims taken so far
-  for (const auto& [stride, n] : dims) {
-    if (stride < reach) return true;
-    reach += (n - 1) * stride;
-  }
-  return false;
-}
-
-// The outputs and inputs of one op call; check() throws for the first output that shares memory
-// with another tensor, unless the pair is allowed (an exact alias the validator accepted).
-class MemoryCheck {
- public:
-  explicit MemoryCheck(Validator& v) : v_(v) {}
-
-  void input(const Span& s) { inputs_.push_back(s); }
-  // An output view's rows [first_row, end_row) (end_row < 0: all); its rows [0, end_row) are
-  // also checked against one another.
-  void output(const char* name, const TensorView& t, int64_t end_row = -1, int64_t first_row = 0) {
-    MLAKV_ARG_CHECK(v_, !rows_overlap(t, end_row), name,
-                    "expected rows that do not overlap each other (an output), got ", t.describe());
-    outputs_.push_back(span_of(name, t, end_row, first_row));
-  }
-  void output(const Span& s) { outputs_.push_back(s); }
-  void allow(const char* output, const char* input) { allowed_.emplace_back(output, input); }
-
-  void check() const {
-    for (size_t i = 0; i < outputs_.size(); ++i) {
-      const Span& o = outputs_[i];
-      for (const Span& in : inputs_) {
-        MLAKV_ARG_CHECK(v_, allowed(o.name, in.name) || !may_overlap(o, in), o.name,
-                        "expected memory disjoint from ", in.name,
-                        " (an output may be an input only exactly: the same data and strides, "
-                        "where the op allows it), got overlapping memory");
-      }
-      for (size_t j = i + 1; j < outputs_.size(); ++j) {
-        const Span& other = outputs_[j];
-        MLAKV_ARG_CHECK(
-            v_,
-            allowed(o.name, other.name) || allowed(other.name, o.name) || !may_overlap(o, other),
-            o.name, "expected memory disjoint from ", other.name,
-            " (another output), got overlapping memory");
-      }
-    }
-  }
-
- private:
-  bool allowed(const char* output, const char* input) const {
-    for (const auto& [o, i] : allowed_) {
-      if (std::strcmp(o, output) == 0 && std::strcmp(i, input) == 0) return true;
-    }
-    return false;
-  }
-
-  Validator& v_;
-  std::vector<Span> inputs_;
-  std::vector<Span> outputs_;
-  std::vector<std::pair<const char*, const char*>> allowed_;
-};
+// ---- the memory an op's tensors share (spans.h) ----
 
 // The spans of a validated cache (the rope part of a split cache as its own span), as outputs
 // (the writing ops) or inputs (the read-back ops).
@@ -636,12 +473,9 @@ MlaRopeCacheArgs validate_mla_rope_cache(const char* op, const MlaRopeCacheParam
     v.dim("q_pe", p.q_pe, 2, R, "R");
 
     const bool fp8_out = is_float8(p.q_out.dtype);
-    // A model-dtype q_out may hold q_pe in its rope part (rotated in place); an fp8 one may not.
-    if (fp8_out) {
-      check_fp8_source(v, "q_pe", p.q_pe, p.q_out);
-    } else {
-      q_pe_in_place = exact_alias(v, "q_pe", p.q_out, "q_out's rope part", p.q_pe, L);
-    }
+    // A model-dtype q_out may hold q_pe in its rope part (rotated in place); an fp8 one may not
+    // (it shares no byte with its sources: the memory check below).
+    if (!fp8_out) q_pe_in_place = exact_alias(v, "q_pe", p.q_out, "q_out's rope part", p.q_pe, L);
     bool copy_nope = false;
     if (p.ql_nope.present()) {
       v.tensor("ql_nope", p.ql_nope, 3, "[Td, H, L]");
@@ -650,7 +484,6 @@ MlaRopeCacheArgs validate_mla_rope_cache(const char* op, const MlaRopeCacheParam
       v.dim("ql_nope", p.ql_nope, 1, H, "H (from q_out)");
       v.dim("ql_nope", p.ql_nope, 2, L, "L");
       if (fp8_out) {
-        check_fp8_source(v, "ql_nope", p.ql_nope, p.q_out);
         copy_nope = true;
       } else {
         ql_nope_in_place = exact_alias(v, "ql_nope", p.ql_nope, "q_out's nope part", p.q_out);
@@ -747,7 +580,7 @@ MlaRopeCacheArgs validate_mla_rope_cache(const char* op, const MlaRopeCacheParam
     a.stride_kv_c_out_token = p.kv_c_out.stride[0];
   }
 
-  MemoryCheck m(v);
+  MemoryCheck m(v.op());
   m.input(span_of("kv_c", p.kv_c, T));
   m.input(span_of("k_pe", p.k_pe, T));
   m.input(span_of("positions", p.positions, T));
@@ -842,7 +675,7 @@ RotaryEmbeddingArgs validate_rotary_embedding(const char* op, const RotaryEmbedd
   a.stride_query_head = p.query.stride[1];
 
   // query and key are rotated in place: both outputs.
-  MemoryCheck m(v);
+  MemoryCheck m(v.op());
   m.input(span_of("positions", p.positions, T));
   m.input(span_of("cos_sin_cache", p.cos_sin_cache));
   add_error_counts(m, ctx);
@@ -880,7 +713,7 @@ ConcatAndCacheMlaArgs validate_concat_and_cache_mla(const char* op,
   a.k_pe = p.k_pe.data;
   a.stride_k_pe_token = p.k_pe.stride[0];
 
-  MemoryCheck m(v);
+  MemoryCheck m(v.op());
   m.input(span_of("kv_c", p.kv_c, T));
   m.input(span_of("k_pe", p.k_pe, T));
   m.input(span_of("slot_mapping", p.slot_mapping, T));
@@ -922,17 +755,15 @@ DecodeQConcatArgs validate_decode_q_concat(const char* op, const DecodeQConcatPa
   const bool fp8_out = is_float8(p.q_out.dtype);
   bool ql_nope_in_place = false;
   bool q_pe_in_place = false;
-  if (fp8_out) {
-    check_fp8_source(v, "ql_nope", p.ql_nope, p.q_out);
-    check_fp8_source(v, "q_pe", p.q_pe, p.q_out);
-  } else {
+  // An fp8 q_out shares no byte with its sources (the memory check below).
+  if (!fp8_out) {
     ql_nope_in_place = exact_alias(v, "ql_nope", p.ql_nope, "q_out's nope part", p.q_out);
     q_pe_in_place = exact_alias(v, "q_pe", p.q_out, "q_out's rope part", p.q_pe, L);
   }
   check_q_scale(v, p.q_scale, p.q_out);
   check_context(v, ctx);
 
-  MemoryCheck m(v);
+  MemoryCheck m(v.op());
   m.input(span_of("ql_nope", p.ql_nope, T));
   m.input(span_of("q_pe", p.q_pe, T));
   m.input(bytes_span("q_scale", p.q_scale, 4));
@@ -984,7 +815,7 @@ RmsNormArgs validate_rms_norm(const char* op, const RmsNormParams& p, const Cont
   const bool in_place = exact_alias(v, "output", p.output, "input", p.input);
   check_context(v, ctx);
 
-  MemoryCheck m(v);
+  MemoryCheck m(v.op());
   m.input(span_of("input", p.input, T));
   m.input(span_of("weight", p.weight));
   m.output("output", p.output, T);
@@ -1044,7 +875,7 @@ GatherCacheArgs validate_gather_cache_slots(const char* op, const GatherCacheSlo
   a.slots = index_tensor(v, "slots", p.slots, N, "N");
   check_context(v, ctx);
 
-  MemoryCheck m(v);
+  MemoryCheck m(v.op());
   add_cache(m, p.kv_cache, false);
   m.input(span_of("slots", p.slots, N));
   add_error_counts(m, ctx);
@@ -1070,7 +901,7 @@ GatherCacheArgs validate_gather_cache_sequences(const char* op, const GatherCach
   v.rows("cu_seq_lens", p.cu_seq_lens, B + 1, "B + 1");
   check_context(v, ctx);
 
-  MemoryCheck m(v);
+  MemoryCheck m(v.op());
   add_cache(m, p.kv_cache, false);
   m.input(span_of("block_table", p.block_table, B));
   m.input(span_of("cu_seq_lens", p.cu_seq_lens, B + 1));
