@@ -151,6 +151,13 @@ std::vector<FusedSpec> q_side_specs() {
     s.cache.format = CacheFormat::kFloat8E4M3;
     s.cache.scale = 0.037f;
     add(s, "qout_e4m3_and_cache_saturating");
+    // e5m2's largest finite value is 57344: |x| / 1e-4 up to 3e5 saturates (to 0x7b / 0xfb, never
+    // inf) in q_out's both parts and in the cache.
+    s.q_out_dtype = DType::kFloat8E5M2;
+    s.q_scale = 1e-4f;
+    s.cache.format = CacheFormat::kFloat8E5M2;
+    s.cache.scale = 1e-4f;
+    add(s, "qout_e5m2_and_cache_saturating");
   }
   // An fp8 q_out's rope part is rotated and quantized in one pass on the CPU: every model dtype,
   // both pair styles, and rope widths with a fixed-length loop (64, 32) and without (16, in
