@@ -65,12 +65,12 @@ class Validator {
     }
   }
 
-  // The view's bytes fit below core::kMaxExtentBytes from its address (spans.h); sizes and
-  // strides are checked non-negative first.
+  // The view's bytes fit below core::kMaxExtentBytes from its address (spans.h); sizes, and the
+  // strides of dims of size > 1, are checked non-negative first.
   void check_extent(const std::string& arg, const TensorView& v) const {
     for (int d = 0; d < v.ndim; ++d) {
-      if (v.shape[d] < 0 || v.stride[d] < 0) {
-        fail(arg, "expected sizes and strides >= 0, got " + v.describe());
+      if (v.shape[d] < 0 || (v.shape[d] > 1 && v.stride[d] < 0)) {
+        fail(arg, "expected sizes >= 0 and strides >= 0, got " + v.describe());
       }
     }
     int64_t bytes = 0;

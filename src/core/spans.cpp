@@ -44,7 +44,8 @@ bool extent_bytes(const TensorView& t, int64_t* bytes) {
   }
   int64_t last = 0;  // elements from the first to the last
   for (int d = 0; d < t.ndim; ++d) {
-    if (!checked_mul_add(t.shape[d] - 1, t.stride[d], last, &last)) return false;
+    // The stride of a size-1 dim is never used (it may be anything, as in PyTorch).
+    if (t.shape[d] > 1 && !checked_mul_add(t.shape[d] - 1, t.stride[d], last, &last)) return false;
   }
   const int64_t elem = static_cast<int64_t>(dtype_size(t.dtype));
   if (!checked_mul_add(last + 1, elem, 0, bytes)) return false;
