@@ -151,14 +151,10 @@ TestCache new_cache(Device device, const CacheGeometry& geometry);
 // concat_and_cache_mla) and uploads it: a cache to read back from.
 void fill_cache_with_entries(Device device, TestCache& cache, std::mt19937_64& rng);
 
-using ref::norm_tolerance_codes;  // tests/reference/reference.h
-
-// Compares a cache with its host mirror: exact, except the latent parts of `norm_slots` (entries
-// whose latent values came out of an RMSNorm): within norm_tolerance_codes, fp8_ds_mla tile scales
-// within 2^-7 relative. Independently of the reference, every byte outside the entries of
-// `written_slots` must still be the sentinel.
+// Compares a cache with its host mirror byte for byte, RMSNorm's latent values included (the
+// reference sums in the library's order). Independently of the reference, every byte outside the
+// entries of `written_slots` must still be the sentinel.
 void expect_cache_matches(const TestCache& cache, const std::vector<int64_t>& written_slots,
-                          const std::vector<int64_t>& norm_slots, DType model,
                           const std::string& what);
 
 // ---- error counters ----------------------------------------------------------------------------

@@ -47,7 +47,7 @@ bool format_fits(const ModelShape& shape, CacheFormat f) {
 }
 
 // Every named model x every cache format, mixed batch, both optional outputs, RMSNorm on the
-// fp8 formats (where the norm's 1-ulp freedom reaches the quantizer) and off on the others.
+// fp8 formats (where the normalized values reach the quantizer) and off on the others.
 std::vector<FusedSpec> model_format_specs() {
   std::vector<FusedSpec> out;
   const ModelShape shapes[] = {kDeepSeekV3, kDeepSeekV3Tp8, kKimiK2, kDeepSeekV2Lite, kMiniCpm3};

@@ -64,10 +64,12 @@ int64_t cache_latent_bytes(const KVCacheView& cache);
 int64_t cache_rope_bytes(const KVCacheView& cache);
 
 // The tolerance, in codes of `storage`, of a value that came out of an RMSNorm and was rounded to
-// `model`: the fp32 sum of squares may be summed in another order, so the rounded value may be one
+// `model`, for a comparison with an RMSNorm summed in another order: the rounded value may be one
 // ulp of the model dtype off (a float32 model: 16 ulps, a few-ulp error of the fp32 rsqrt carried
 // through two products); stored in a wider dtype that ulp spans several codes of it; one code when
-// the storage is coarser than the model dtype (fp8). Shared by the tests and `mlakv check`.
+// the storage is coarser than the model dtype (fp8). The reference sums in the library's order and
+// the tests compare its RMSNorm outputs exactly; only `mlakv check` and `mlakv bench` still allow
+// this tolerance.
 int64_t norm_tolerance_codes(DType storage, DType model);
 
 // fp32 sum of the squares of x (each x_i * x_i rounded to fp32) as the complete binary tree over
