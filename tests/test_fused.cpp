@@ -280,7 +280,8 @@ std::vector<FusedSpec> q_side_specs() {
 // of fewer than 32 chunks and of chunk counts that do not divide 32 (a lane's chunks then wrap
 // across rows and, with H = 3, across tokens), rope items with fewer heads than a slot holds, rows
 // longer than one item (P = 4400: 550 chunks, several segments per row), each through the vector
-// path and through the element-wise one (rows padded by 3 elements), with a host and a device Td.
+// path and through the element-wise one (rows padded by 3 elements), with a host and a device Td;
+// and RMSNorm on both rows.
 std::vector<FusedSpec> work_split_specs() {
   std::vector<FusedSpec> out;
   uint64_t seed = 500;
@@ -310,6 +311,17 @@ std::vector<FusedSpec> work_split_specs() {
     s.name += "_qout_e4m3";
     s.seed = seed++;
     out.push_back(s);
+    // RMSNorm on these latent rows: L = 208 is not a power of two (the sum's tree padded with +0,
+    // a mean whose division by L is not exact), L = 1024 the widest.
+    for (DType model : {DType::kBFloat16, DType::kFloat32}) {
+      FusedSpec n = base(shape, kFormats[0], shape.H > 2 ? 33 : 7, shape.H > 2 ? 13 : 3);
+      n.model = model;
+      n.norm = true;
+      n.kv_c_out = true;
+      n.name += std::string("_") + dtype_name(model) + "_norm";
+      n.seed = seed++;
+      out.push_back(n);
+    }
   }
   return out;
 }
