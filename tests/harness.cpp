@@ -185,19 +185,6 @@ Tensor index_tensor(Device device, DType dtype, const std::vector<int64_t>& valu
 
 // ---- comparisons -------------------------------------------------------------------------------
 namespace {
-uint32_t load_bits(const uint8_t* p, int bytes) {
-  uint32_t v = 0;
-  std::memcpy(&v, p, static_cast<size_t>(bytes));
-  return v;
-}
-
-// Sign-magnitude bits -> an integer that is monotonic in the value (+0 and -0 both 0).
-int64_t ordered(uint32_t bits, int bytes) {
-  const uint32_t sign = 1u << (8 * bytes - 1);
-  const int64_t mag = static_cast<int64_t>(bits & (sign - 1));
-  return (bits & sign) ? -mag : mag;
-}
-
 std::string hex(uint32_t v, int bytes) {
   std::ostringstream os;
   os << "0x" << std::hex;
@@ -209,50 +196,29 @@ std::string hex(uint32_t v, int bytes) {
 }  // namespace
 
 testing::AssertionResult bytes_equal(const std::vector<uint8_t>& got,
-                                     const std::vector<uint8_t>& expected, const std::string& what,
-                                     const std::vector<TolerantRange>& tolerant) {
+                                     const std::vector<uint8_t>& expected,
+                                     const std::string& what) {
   if (got.size() != expected.size()) {
     return testing::AssertionFailure()
            << what << ": size " << got.size() << " != expected " << expected.size();
-  }
-  std::vector<uint8_t> skip(got.size(), 0);
-  for (const TolerantRange& r : tolerant) {
-    std::fill(skip.begin() + r.byte_offset,
-              skip.begin() + r.byte_offset + r.num_elems * r.elem_bytes, 1);
   }
   constexpr int kMaxShown = 8;
   int64_t mismatches = 0;
   std::ostringstream os;
   for (size_t i = 0; i < got.size(); ++i) {
-    if (skip[i] || got[i] == expected[i]) continue;
+    if (got[i] == expected[i]) continue;
     if (mismatches < kMaxShown) {
       os << "\n  byte " << i << ": got " << hex(got[i], 1) << ", expected " << hex(expected[i], 1);
     }
     ++mismatches;
-  }
-  for (const TolerantRange& r : tolerant) {
-    for (int64_t e = 0; e < r.num_elems; ++e) {
-      const size_t off = static_cast<size_t>(r.byte_offset + e * r.elem_bytes);
-      const uint32_t g = load_bits(&got[off], r.elem_bytes);
-      const uint32_t x = load_bits(&expected[off], r.elem_bytes);
-      const int64_t dist = std::llabs(ordered(g, r.elem_bytes) - ordered(x, r.elem_bytes));
-      if (dist <= r.tolerance_codes) continue;
-      if (mismatches < kMaxShown) {
-        os << "\n  element at byte " << off << ": got " << hex(g, r.elem_bytes) << ", expected "
-           << hex(x, r.elem_bytes) << " (" << dist << " codes apart, tolerance "
-           << r.tolerance_codes << ")";
-      }
-      ++mismatches;
-    }
   }
   if (mismatches == 0) return testing::AssertionSuccess();
   return testing::AssertionFailure() << what << ": " << mismatches << " mismatches of "
                                      << got.size() << " bytes; first:" << os.str();
 }
 
-testing::AssertionResult buffer_matches(const Buffer& buffer, const std::string& what,
-                                        const std::vector<TolerantRange>& tolerant) {
-  return bytes_equal(buffer.download(), buffer.host, what, tolerant);
+testing::AssertionResult buffer_matches(const Buffer& buffer, const std::string& what) {
+  return bytes_equal(buffer.download(), buffer.host, what);
 }
 
 testing::AssertionResult buffer_unchanged(const Buffer& buffer, const std::string& what) {
@@ -342,7 +308,6 @@ void fill_cache_with_entries(Device device, TestCache& cache, std::mt19937_64& r
 }
 
 void expect_cache_matches(const TestCache& cache, const std::vector<int64_t>& written_slots,
-                          const std::vector<int64_t>& norm_slots, DType model,
                           const std::string& what) {
   const KVCacheView v = cache.host_view();
   const int64_t lat_bytes = ref::cache_latent_bytes(v);
@@ -376,21 +341,8 @@ void expect_cache_matches(const TestCache& cache, const std::vector<int64_t>& wr
   check_sentinel(got, mask, "cache");
   if (cache.rope_data) check_sentinel(got_rope, rope_mask, "rope cache");
 
-  // Against the reference.
-  std::vector<TolerantRange> tolerant;
-  const CacheFormat f = cache.geometry.format;
-  for (int64_t slot : norm_slots) {
-    const int64_t lo = ref::cache_latent_offset_bytes(v, slot);
-    if (f == CacheFormat::kFloat8DsMla) {
-      tolerant.push_back({lo, kDsMlaLatentDim, 1, norm_tolerance_codes(DType::kFloat8E4M3, model)});
-      tolerant.push_back({lo + kDsMlaLatentDim, kDsMlaNumTiles, 4, int64_t{1} << 16});
-    } else {
-      const DType storage = cache_latent_dtype(f);
-      const int es = static_cast<int>(dtype_size(storage));
-      tolerant.push_back({lo, cache.geometry.L, es, norm_tolerance_codes(storage, model)});
-    }
-  }
-  EXPECT_TRUE(bytes_equal(got, cache.data->host, what + " cache", tolerant));
+  // Against the reference, exactly (RMSNorm's latent values and fp8_ds_mla tile scales included).
+  EXPECT_TRUE(bytes_equal(got, cache.data->host, what + " cache"));
   if (cache.rope_data) {
     EXPECT_TRUE(bytes_equal(got_rope, cache.rope_data->host, what + " rope cache"));
   }
@@ -419,21 +371,6 @@ std::string counts_to_string(const std::vector<int32_t>& counts) {
     os << (i ? ", " : "") << error_counter_name(static_cast<int32_t>(i)) << "=" << counts[i];
   }
   return os.str();
-}
-
-std::vector<TolerantRange> rows_tolerant(const Tensor& tensor, int64_t rows, int64_t col,
-                                         int64_t cols, int64_t tolerance_codes) {
-  std::vector<TolerantRange> out;
-  const int es = static_cast<int>(dtype_size(tensor.dtype));
-  const int64_t heads = tensor.shape.size() == 3 ? tensor.shape[1] : 1;
-  for (int64_t t = 0; t < rows; ++t) {
-    for (int64_t h = 0; h < heads; ++h) {
-      const int64_t off =
-          tensor.shape.size() == 3 ? tensor.byte_offset({t, h, col}) : tensor.byte_offset({t, col});
-      out.push_back({off, cols, es, tolerance_codes});
-    }
-  }
-  return out;
 }
 
 }  // namespace test

@@ -102,23 +102,12 @@ Tensor poisoned_tensor(Device device, DType dtype, std::vector<int64_t> shape);
 Tensor index_tensor(Device device, DType dtype, const std::vector<int64_t>& values);
 
 // ---- comparisons -------------------------------------------------------------------------------
-// A part of a buffer compared element-wise with a tolerance in code steps (ordered-integer distance
-// of the bit patterns: 1 = one ulp / one fp8 code) instead of exactly.
-struct TolerantRange {
-  int64_t byte_offset;
-  int64_t num_elems;
-  int elem_bytes;  // 1, 2 or 4
-  int64_t tolerance_codes;
-};
-
-// Compares `got` with `expected` byte for byte outside the tolerant ranges, element-wise inside.
-// Reports the first mismatches (index, got, expected) and returns whether they were equal.
+// Compares `got` with `expected` byte for byte. Reports the first mismatches (index, got,
+// expected) and returns whether they were equal.
 testing::AssertionResult bytes_equal(const std::vector<uint8_t>& got,
-                                     const std::vector<uint8_t>& expected, const std::string& what,
-                                     const std::vector<TolerantRange>& tolerant = {});
+                                     const std::vector<uint8_t>& expected, const std::string& what);
 // Downloads the buffer and compares it with its host mirror.
-testing::AssertionResult buffer_matches(const Buffer& buffer, const std::string& what,
-                                        const std::vector<TolerantRange>& tolerant = {});
+testing::AssertionResult buffer_matches(const Buffer& buffer, const std::string& what);
 // Downloads the buffer and compares it with its initial contents (an input the op must not touch).
 testing::AssertionResult buffer_unchanged(const Buffer& buffer, const std::string& what);
 
@@ -151,14 +140,10 @@ TestCache new_cache(Device device, const CacheGeometry& geometry);
 // concat_and_cache_mla) and uploads it: a cache to read back from.
 void fill_cache_with_entries(Device device, TestCache& cache, std::mt19937_64& rng);
 
-using ref::norm_tolerance_codes;  // tests/reference/reference.h
-
-// Compares a cache with its host mirror: exact, except the latent parts of `norm_slots` (entries
-// whose latent values came out of an RMSNorm): within norm_tolerance_codes, fp8_ds_mla tile scales
-// within 2^-7 relative. Independently of the reference, every byte outside the entries of
-// `written_slots` must still be the sentinel.
+// Compares a cache with its host mirror byte for byte, RMSNorm's latent values included (the
+// reference sums in the library's order). Independently of the reference, every byte outside the
+// entries of `written_slots` must still be the sentinel.
 void expect_cache_matches(const TestCache& cache, const std::vector<int64_t>& written_slots,
-                          const std::vector<int64_t>& norm_slots, DType model,
                           const std::string& what);
 
 // ---- error counters ----------------------------------------------------------------------------
@@ -170,11 +155,6 @@ struct ErrorCounts {
   Tensor tensor;
 };
 std::string counts_to_string(const std::vector<int32_t>& counts);
-
-// Tolerant range helper: rows [0, rows) of a 2-d / 3-d model-dtype tensor, `cols` elements each
-// starting at column `col` (3-d: every head).
-std::vector<TolerantRange> rows_tolerant(const Tensor& tensor, int64_t rows, int64_t col,
-                                         int64_t cols, int64_t tolerance_codes);
 
 }  // namespace test
 }  // namespace mlakv

@@ -31,7 +31,7 @@ void expect_cache_untouched(const TestCache& cache) {
   if (cache.rope_data) {
     EXPECT_TRUE(buffer_unchanged(*cache.rope_data, "rope cache"));
   }
-  expect_cache_matches(cache, {}, {}, DType::kBFloat16, "kv_cache");
+  expect_cache_matches(cache, {}, "kv_cache");
 }
 
 class ZeroTokens : public testing::TestWithParam<Backend> {};

@@ -47,7 +47,7 @@ bool format_fits(const ModelShape& shape, CacheFormat f) {
 }
 
 // Every named model x every cache format, mixed batch, both optional outputs, RMSNorm on the
-// fp8 formats (where the norm's 1-ulp freedom reaches the quantizer) and off on the others.
+// fp8 formats (where the normalized values reach the quantizer) and off on the others.
 std::vector<FusedSpec> model_format_specs() {
   std::vector<FusedSpec> out;
   const ModelShape shapes[] = {kDeepSeekV3, kDeepSeekV3Tp8, kKimiK2, kDeepSeekV2Lite, kMiniCpm3};
@@ -287,7 +287,8 @@ std::vector<FusedSpec> q_side_specs() {
 // of fewer than 32 chunks and of chunk counts that do not divide 32 (a lane's chunks then wrap
 // across rows and, with H = 3, across tokens), rope items with fewer heads than a slot holds, rows
 // longer than one item (P = 4400: 550 chunks, several segments per row), each through the vector
-// path and through the element-wise one (rows padded by 3 elements), with a host and a device Td.
+// path and through the element-wise one (rows padded by 3 elements), with a host and a device Td;
+// and RMSNorm on both rows.
 std::vector<FusedSpec> work_split_specs() {
   std::vector<FusedSpec> out;
   uint64_t seed = 500;
@@ -317,6 +318,17 @@ std::vector<FusedSpec> work_split_specs() {
     s.name += "_qout_e4m3";
     s.seed = seed++;
     out.push_back(s);
+    // RMSNorm on these latent rows: L = 208 is not a power of two (the sum's tree padded with +0,
+    // a mean whose division by L is not exact), L = 1024 the widest.
+    for (DType model : {DType::kBFloat16, DType::kFloat32}) {
+      FusedSpec n = base(shape, kFormats[0], shape.H > 2 ? 33 : 7, shape.H > 2 ? 13 : 3);
+      n.model = model;
+      n.norm = true;
+      n.kv_c_out = true;
+      n.name += std::string("_") + dtype_name(model) + "_norm";
+      n.seed = seed++;
+      out.push_back(n);
+    }
   }
   return out;
 }

@@ -238,26 +238,29 @@ std::vector<float> rope(const std::vector<float>& x, const CosSin& cs, RopeStyle
 }
 
 // ---- RMSNorm -----------------------------------------------------------------------------------
-std::vector<float> rms_normalize(const std::vector<float>& x, const TensorView& weight, float eps) {
-  float sum = 0.0f;
-  for (float v : x) sum += v * v;  // sequential fp32 sum, no contraction (-ffp-contract=off)
-  const float mean = sum / static_cast<float>(x.size());
-  const float inv = 1.0f / std::sqrt(mean + eps);
-  std::vector<float> out(x.size());
-  for (size_t i = 0; i < x.size(); ++i) {
-    out[i] = (x[i] * inv) * load_value(at(weight, static_cast<int64_t>(i)), weight.dtype);
-  }
-  return out;
-}
-
 // fp32 sum of the squares of x[lo, lo + size), size a power of two, as the complete binary tree
-// over the index (rmsnorm_quant's documented order): the left half's sum plus the right half's.
+// over the index (RMSNorm's documented order): the left half's sum plus the right half's.
 // Indices past the row are +0 leaves, which leave every sum unchanged.
 float tree_sum_squares(const std::vector<float>& x, size_t lo, size_t size) {
   if (lo >= x.size()) return 0.0f;
   if (size == 1) return x[lo] * x[lo];
   const size_t half = size / 2;
   return tree_sum_squares(x, lo, half) + tree_sum_squares(x, lo + half, half);
+}
+
+// RMSNorm of one row before rounding, as docs/rmsnorm_quant.md writes it, every step one IEEE fp32
+// operation (no contraction: -ffp-contract=off): sum = the tree above, inv = 1 / sqrt(sum / N +
+// eps), y = (x * inv) * w. The same order as the library's, so its outputs compare exactly.
+std::vector<float> rms_normalize(const std::vector<float>& x, const TensorView& weight, float eps) {
+  size_t size = 1;
+  while (size < x.size()) size *= 2;
+  const float mean = tree_sum_squares(x, 0, size) / static_cast<float>(x.size());
+  const float inv = 1.0f / std::sqrt(mean + eps);
+  std::vector<float> out(x.size());
+  for (size_t i = 0; i < x.size(); ++i) {
+    out[i] = (x[i] * inv) * load_value(at(weight, static_cast<int64_t>(i)), weight.dtype);
+  }
+  return out;
 }
 
 // ---- the cache ---------------------------------------------------------------------------------
@@ -582,11 +585,7 @@ void rmsnorm_quant(const RmsNormQuantParams& p) {
       for (int64_t i = 0; i < N; ++i) s[i] = round_to(s[i] + r[i], model);
       store_row(p.residual, t, 0, 0, s);
     }
-    const float inv = 1.0f / std::sqrt(tree_sum_squares(s) / static_cast<float>(N) + p.eps);
-    std::vector<float> y(static_cast<size_t>(N));
-    for (int64_t i = 0; i < N; ++i) {
-      y[i] = round_to((s[i] * inv) * load_value(at(p.weight, i), p.weight.dtype), model);
-    }
+    const std::vector<float> y = rounded(rms_normalize(s, p.weight, p.eps), model);
     if (p.normed_out.present()) store_row(p.normed_out, t, 0, 0, y);
     if (!q.values.present()) continue;
     for (int64_t g = 0; g < N / q.group_size; ++g) {

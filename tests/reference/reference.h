@@ -4,7 +4,9 @@
 // set of views on host copies and one on device copies with identical geometry. Scalar loops, one
 // token at a time; nothing is shared with src/ (its own bf16/fp16 rounding in double, its own fp8
 // codec by nearest-code search) except the definitions DESIGN.md fixes: RoPE is the float fma
-// formula, RMSNorm the sequential fp32 sum of squares, quantization an IEEE float division.
+// formula, RMSNorm the fp32 sum of squares in the documented pairwise-tree order
+// (docs/rmsnorm_quant.md, written here as recursive halving) with (x * inv) * w, quantization an
+// IEEE float division. Every output, RMSNorm's included, equals the library's bit for bit.
 // Arguments are assumed valid (the library validates; the reference does not).
 #pragma once
 
@@ -44,10 +46,7 @@ void rotary_embedding(const RotaryEmbeddingParams& params, int32_t* error_counts
 void concat_and_cache_mla(const ConcatAndCacheMlaParams& params, int32_t* error_counts = nullptr);
 void decode_q_concat(const DecodeQConcatParams& params);
 void rms_norm(const RmsNormParams& params);
-// rmsnorm_quant sums the squares in its documented order (docs/rmsnorm_quant.md: the pairwise tree
-// over the element index, the row padded with +0 to a power of two), not sequentially as rms_norm
-// above: its bytes are compared exactly. Without quant.values it only normalizes into normed_out
-// (the kv_c half of mla_rmsnorm_quant).
+// Without quant.values it only normalizes into normed_out (the kv_c half of mla_rmsnorm_quant).
 void rmsnorm_quant(const RmsNormQuantParams& params);
 void gather_cache_slots(const GatherCacheSlotsParams& params, int32_t* error_counts = nullptr);
 void gather_cache_sequences(const GatherCacheSequencesParams& params,
@@ -65,10 +64,12 @@ int64_t cache_latent_bytes(const KVCacheView& cache);
 int64_t cache_rope_bytes(const KVCacheView& cache);
 
 // The tolerance, in codes of `storage`, of a value that came out of an RMSNorm and was rounded to
-// `model`: the fp32 sum of squares may be summed in another order, so the rounded value may be one
+// `model`, for a comparison with an RMSNorm summed in another order: the rounded value may be one
 // ulp of the model dtype off (a float32 model: 16 ulps, a few-ulp error of the fp32 rsqrt carried
 // through two products); stored in a wider dtype that ulp spans several codes of it; one code when
-// the storage is coarser than the model dtype (fp8). Shared by the tests and `mlakv check`.
+// the storage is coarser than the model dtype (fp8). The reference sums in the library's order and
+// the tests compare its RMSNorm outputs exactly; only `mlakv check` and `mlakv bench` still allow
+// this tolerance.
 int64_t norm_tolerance_codes(DType storage, DType model);
 
 // fp32 sum of the squares of x (each x_i * x_i rounded to fp32) as the complete binary tree over
