@@ -360,61 +360,7 @@ MlaRopeCacheParams build_params(const Case& c, const std::array<void*, kNumBuffe
   return p;
 }
 
-// ---- comparison with RMSNorm tolerance -------------------------------------------------------
-
-// Sign-magnitude bits as an ordered integer: adjacent representable values differ by 1.
-int64_t ordered_code(const uint8_t* p, int elem_bytes) {
-  uint32_t bits = 0;
-  std::memcpy(&bits, p, static_cast<size_t>(elem_bytes));  // little-endian host
-  const uint32_t sign_bit = 1u << (8 * elem_bytes - 1);
-  const int64_t magnitude = static_cast<int64_t>(bits & (sign_bit - 1));
-  return (bits & sign_bit) ? -magnitude : magnitude;
-}
-
-// A byte range whose elements may differ by up to `codes` codes (RMSNorm-derived values).
-struct Tolerant {
-  size_t offset;
-  size_t count;  // elements
-  int elem_bytes;
-  int64_t codes;
-};
-// An fp8_ds_mla entry whose latent part came out of RMSNorm (tile scales may differ slightly).
-struct DsMlaTolerant {
-  size_t offset;
-};
-
-struct Tolerances {
-  std::array<std::vector<Tolerant>, kNumBuffers> ranges;
-  std::array<std::vector<DsMlaTolerant>, kNumBuffers> ds_mla;
-};
-
-float e4m3_value(uint8_t code) { return ref::fp8_to_float(code, DType::kFloat8E4M3); }
-
-// Two fp8_ds_mla latent parts (512 codes + 4 fp32 scales) of RMSNorm output: each tile's scale
-// within 2^-6 relative (or a factor 2 with power-of-two scales), each dequantized value within
-// one e4m3 step of the coarser scale.
-bool ds_mla_close(const uint8_t* got, const uint8_t* expected) {
-  for (int tile = 0; tile < kDsMlaNumTiles; ++tile) {
-    float sg = 0.0f, se = 0.0f;
-    std::memcpy(&sg, got + kDsMlaLatentDim + 4 * tile, 4);
-    std::memcpy(&se, expected + kDsMlaLatentDim + 4 * tile, 4);
-    if (!(sg > 0.0f && se > 0.0f)) return false;
-    const float ratio = sg > se ? sg / se : se / sg;
-    if (ratio > 1.0f + 1.0f / 64.0f && ratio != 2.0f) return false;
-    const float coarse = std::max(sg, se);
-    for (int i = 0; i < kDsMlaTileElems; ++i) {
-      const int64_t k = tile * kDsMlaTileElems + i;
-      const float a = e4m3_value(got[k]) * sg;
-      const float b = e4m3_value(expected[k]) * se;
-      const float mag = std::max(std::fabs(a), std::fabs(b)) / coarse;
-      // One e4m3 step at this magnitude (3 mantissa bits; subnormal step 2^-9), in value units.
-      const float step =
-          (mag < 0.015625f ? 0.001953125f : std::ldexp(1.0f, std::ilogb(mag) - 3)) * coarse;
-      if (std::fabs(a - b) > step * 1.0001f) return false;
-    }
-  }
-  return true;
-}
+// ---- comparison: every byte (RMSNorm outputs too: the reference sums in the library's order) ----
 
 struct Mismatch {
   bool found = false;
@@ -422,89 +368,22 @@ struct Mismatch {
 };
 
 Mismatch compare_buffer(int id, const std::vector<uint8_t>& got,
-                        const std::vector<uint8_t>& expected, const Tolerances& tol,
-                        const char* versus) {
+                        const std::vector<uint8_t>& expected, const char* versus) {
   Mismatch m;
   if (got.size() != expected.size()) {
     m.found = true;
     m.text = std::string(buffer_name(id)) + ": size differs";
     return m;
   }
-  std::vector<uint8_t> mask;  // 1 = compared with tolerance below
-  if (!tol.ranges[id].empty() || !tol.ds_mla[id].empty()) mask.assign(got.size(), 0);
-  auto report = [&](size_t at, const std::string& detail) {
-    if (m.found) return;
-    m.found = true;
-    char buf[64];
-    std::snprintf(buf, sizeof(buf), " 0x%02x vs %s 0x%02x", got[at], versus, expected[at]);
-    m.text = std::string(buffer_name(id)) + ": byte " + std::to_string(at) + " of " +
-             std::to_string(got.size()) + ":" + buf + detail;
-  };
-  for (const Tolerant& r : tol.ranges[id]) {
-    for (size_t i = 0; i < r.count; ++i) {
-      const size_t at = r.offset + i * r.elem_bytes;
-      std::fill(mask.begin() + at, mask.begin() + at + r.elem_bytes, 1);
-      const int64_t d =
-          ordered_code(&got[at], r.elem_bytes) - ordered_code(&expected[at], r.elem_bytes);
-      if (std::llabs(d) > r.codes) {
-        report(at, " (" + std::to_string(d) + " codes, tolerance " + std::to_string(r.codes) + ")");
-      }
-    }
-  }
-  for (const DsMlaTolerant& e : tol.ds_mla[id]) {
-    const size_t n = kDsMlaLatentDim + 4 * kDsMlaNumTiles;
-    std::fill(mask.begin() + e.offset, mask.begin() + e.offset + n, 1);
-    if (std::memcmp(&got[e.offset], &expected[e.offset], n) != 0 &&
-        !ds_mla_close(&got[e.offset], &expected[e.offset])) {
-      size_t at = e.offset;
-      while (got[at] == expected[at]) ++at;
-      report(at, " (fp8_ds_mla RMSNorm entry beyond tolerance)");
-    }
-  }
-  if (mask.empty()) {
-    if (!got.empty() && std::memcmp(got.data(), expected.data(), got.size()) != 0) {
-      size_t at = 0;
-      while (got[at] == expected[at]) ++at;
-      report(at, "");
-    }
-  } else {
-    for (size_t i = 0; i < got.size() && !m.found; ++i) {
-      if (!mask[i] && got[i] != expected[i]) report(i, "");
-    }
-  }
+  if (got.empty() || std::memcmp(got.data(), expected.data(), got.size()) == 0) return m;
+  size_t at = 0;
+  while (got[at] == expected[at]) ++at;
+  char buf[64];
+  std::snprintf(buf, sizeof(buf), " 0x%02x vs %s 0x%02x", got[at], versus, expected[at]);
+  m.found = true;
+  m.text = std::string(buffer_name(id)) + ": byte " + std::to_string(at) + " of " +
+           std::to_string(got.size()) + ":" + buf;
   return m;
-}
-
-// Where RMSNorm-derived values live: the latent part of written cache entries and kv_c_out.
-Tolerances rms_norm_tolerances(const Case& c, const MlaRopeCacheParams& host_params) {
-  Tolerances tol;
-  if (!c.rms_norm) return tol;
-  const KVCacheView& cache = host_params.kv_cache;
-  const int64_t num_slots = c.num_blocks * c.block_size;
-  const int latent_elem = static_cast<int>(dtype_size(cache_latent_dtype(c.format)));
-  for (int64_t t = 0; t < c.T; ++t) {
-    const int64_t slot = c.slots[t];
-    if (slot < 0 || slot >= num_slots) continue;
-    const size_t offset = static_cast<size_t>(ref::cache_latent_offset_bytes(cache, slot));
-    if (c.format == CacheFormat::kFloat8DsMla) {
-      tol.ds_mla[kCache].push_back({offset});
-    } else {
-      tol.ranges[kCache].push_back(
-          {offset, static_cast<size_t>(c.L), latent_elem,
-           ref::norm_tolerance_codes(cache_latent_dtype(c.format), c.model_dtype)});
-    }
-  }
-  if (c.kv_c_out != Alias::kNone) {
-    const int id = c.kv_c_out == Alias::kSeparate ? kKvCOut : kKvC;
-    const size_t row_bytes =
-        static_cast<size_t>(c.kv_c_out == Alias::kSeparate ? c.L : c.kv_row()) * c.model_bytes();
-    for (int64_t t = 0; t < c.T; ++t) {
-      tol.ranges[id].push_back({static_cast<size_t>(t) * row_bytes, static_cast<size_t>(c.L),
-                                static_cast<int>(c.model_bytes()),
-                                ref::norm_tolerance_codes(c.model_dtype, c.model_dtype)});
-    }
-  }
-  return tol;
 }
 
 struct BackendRun {
@@ -538,10 +417,9 @@ BackendRun run_backend(const Case& c, const CaseBuffers& initial, Device device)
   return run;
 }
 
-Mismatch compare_runs(const BackendRun& got, const BackendRun& expected, const Tolerances& tol,
-                      const char* versus) {
+Mismatch compare_runs(const BackendRun& got, const BackendRun& expected, const char* versus) {
   for (int id = 0; id < kNumBuffers; ++id) {
-    const Mismatch m = compare_buffer(id, got.result[id], expected.result[id], tol, versus);
+    const Mismatch m = compare_buffer(id, got.result[id], expected.result[id], versus);
     if (m.found) return m;
   }
   for (int k = 0; k < kNumErrorCounters; ++k) {
@@ -619,14 +497,13 @@ int run_check(const CheckOptions& options) {
       }
       const MlaRopeCacheParams host_params = build_params(c, host_base, Device{});
       ref::mla_rope_cache(host_params, reference.counts.data());
-      const Tolerances tol = rms_norm_tolerances(c, host_params);
 
       std::vector<BackendRun> runs;
       for (size_t b = 0; b < backends.size(); ++b) {
         Mismatch m;
         try {
           runs.push_back(run_backend(c, initial, backends[b].second));
-          m = compare_runs(runs.back(), reference, tol, "reference");
+          m = compare_runs(runs.back(), reference, "reference");
         } catch (const Error& e) {
           runs.emplace_back();
           m.found = true;
@@ -639,7 +516,7 @@ int run_check(const CheckOptions& options) {
         }
       }
       if (cross && !runs[0].result[kKvC].empty() && !runs[1].result[kKvC].empty()) {
-        const Mismatch m = compare_runs(runs[1], runs[0], tol, "cpu");
+        const Mismatch m = compare_runs(runs[1], runs[0], "cpu");
         ++cross_tally.cases;
         if (m.found) {
           ++cross_tally.failures;

@@ -643,26 +643,5 @@ void gather_cache_sequences(const GatherCacheSequencesParams& p, int32_t* error_
   }
 }
 
-int64_t norm_tolerance_codes(DType storage, DType model) {
-  const auto mantissa_bits = [](DType dtype) {
-    switch (dtype) {
-      case DType::kFloat32:
-        return 23;
-      case DType::kFloat16:
-        return 10;
-      case DType::kBFloat16:
-        return 7;
-      case DType::kFloat8E4M3:
-        return 3;
-      default:
-        return 2;
-    }
-  };
-  const int64_t model_ulps = model == DType::kFloat32 ? 16 : 1;
-  const int shift = mantissa_bits(storage) - mantissa_bits(model);
-  if (shift > 0) return model_ulps << shift;
-  return storage == model ? model_ulps : 1;
-}
-
 }  // namespace ref
 }  // namespace mlakv

@@ -63,15 +63,6 @@ int64_t cache_rope_offset_bytes(const KVCacheView& cache, int64_t slot);
 int64_t cache_latent_bytes(const KVCacheView& cache);
 int64_t cache_rope_bytes(const KVCacheView& cache);
 
-// The tolerance, in codes of `storage`, of a value that came out of an RMSNorm and was rounded to
-// `model`, for a comparison with an RMSNorm summed in another order: the rounded value may be one
-// ulp of the model dtype off (a float32 model: 16 ulps, a few-ulp error of the fp32 rsqrt carried
-// through two products); stored in a wider dtype that ulp spans several codes of it; one code when
-// the storage is coarser than the model dtype (fp8). The reference sums in the library's order and
-// the tests compare its RMSNorm outputs exactly; only `mlakv check` and `mlakv bench` still allow
-// this tolerance.
-int64_t norm_tolerance_codes(DType storage, DType model);
-
 // fp32 sum of the squares of x (each x_i * x_i rounded to fp32) as the complete binary tree over
 // the index, the row padded with +0 to a power of two: RMSNorm's documented order
 // (docs/rmsnorm_quant.md), written as its definition (recursive halving).
