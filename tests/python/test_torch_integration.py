@@ -177,6 +177,22 @@ def test_torch_compile_reads_aliased_input_after_the_op(backend, device):
         assert_bytes_equal(getattr(x, name), getattr(y, name))
 
 
+def _check_norm_in_place(step, seed, T, N, backend, device):
+    """step(x, w) normalizes a bf16 [T, N] x in place: compiled and eager (on a clone) return the
+    same bytes, and x ends as a separate rms_norm output would be."""
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(T, N, generator=g) * 3).to(torch.bfloat16).to(device)
+    w = (1.0 + 0.25 * torch.randn(N, generator=g)).to(torch.bfloat16).to(device)
+    y = x.clone()
+    separate = mlakv.rms_norm(x.clone(), w, 1e-6)
+    got = _compiled(step, backend)(x, w)
+    want = step(y, w)
+    for a, b in zip(got, want):
+        assert_bytes_equal(a, b)
+    assert_bytes_equal(x, separate)
+    assert_bytes_equal(y, separate)
+
+
 @pytest.mark.parametrize("backend", COMPILE_BACKENDS)
 def test_torch_compile_rms_norm_in_place(backend, device):
     """rms_norm with out = input compiled, the input read again after the op; in place equals a
@@ -186,17 +202,7 @@ def test_torch_compile_rms_norm_in_place(backend, device):
         mlakv.rms_norm(x, w, 1e-6, out=x)
         return before, x.clone(), x * 2
 
-    g = torch.Generator().manual_seed(32)
-    x = (torch.randn(9, 1536, generator=g) * 3).to(torch.bfloat16).to(device)
-    w = (1.0 + 0.25 * torch.randn(1536, generator=g)).to(torch.bfloat16).to(device)
-    y = x.clone()
-    separate = mlakv.rms_norm(x.clone(), w, 1e-6)
-    got = _compiled(step, backend)(x, w)
-    want = step(y, w)
-    for a, b in zip(got, want):
-        assert_bytes_equal(a, b)
-    assert_bytes_equal(x, separate)
-    assert_bytes_equal(y, separate)
+    _check_norm_in_place(step, 32, 9, 1536, backend, device)
 
 
 @pytest.mark.skipif(not hasattr(OPS, "rmsnorm_quant"), reason="no rmsnorm_quant in the extension")
@@ -211,16 +217,7 @@ def test_torch_compile_rmsnorm_quant_normed_in_place(backend, device):
         OPS.rmsnorm_quant(x, w, 1e-6, out, scales, normed_out=x)
         return out, scales, x.clone()
 
-    g = torch.Generator().manual_seed(33)
-    x = (torch.randn(T, N, generator=g) * 3).to(torch.bfloat16).to(device)
-    w = (1.0 + 0.25 * torch.randn(N, generator=g)).to(torch.bfloat16).to(device)
-    y = x.clone()
-    separate = mlakv.rms_norm(x.clone(), w, 1e-6)
-    got = _compiled(step, backend)(x, w)
-    want = step(y, w)
-    for a, b in zip(got, want):
-        assert_bytes_equal(a, b)
-    assert_bytes_equal(x, separate)
+    _check_norm_in_place(step, 33, T, N, backend, device)
 
 
 def test_fake_kernels_shapes():
