@@ -3,6 +3,7 @@
 // backend's launch limit (never-dereferenced device views, skipped without a GPU).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <functional>
@@ -359,7 +360,7 @@ TEST_F(MlaValidation, CacheStrideMisaligned) {
 // offset an op computes can wrap.
 TEST_F(MlaValidation, ViewPastTheExtentLimit) {
   p_.kv_c.shape[0] = int64_t{1} << 50;  // 2^50 rows of 1 KB
-  reject(p_, "kv_c: expected a view spanning less than 2^56 bytes");
+  reject(p_, "kv_c: expected a view within 2^56 bytes");
 }
 
 TEST_F(MlaValidation, CacheSlotCountOverflows) {
@@ -933,6 +934,19 @@ TEST_F(OpsValidation, GatherCache) {
   sbad.out = mlakv::make_view(s.cu_seq_lens.data, DType::kBFloat16, {1, L + R});
   expect_rejected(
       arena_, [&] { mlakv::gather_cache_sequences(sbad); }, "out");
+  // An empty block table of INT64_MAX rows and num_seqs = INT64_MAX: B + 1 would wrap, and the
+  // cu_seq_lens check with it (the CPU backend then read past cu_seq_lens).
+  sbad = s;
+  sbad.num_seqs = INT64_MAX;
+  sbad.block_table.shape[0] = INT64_MAX;
+  sbad.block_table.shape[1] = 0;
+  expect_rejected(
+      arena_, [&] { mlakv::gather_cache_sequences(sbad); },
+      "num_seqs: expected >= 0 and below 2^56");
+  sbad.num_seqs = 2;
+  expect_rejected(
+      arena_, [&] { mlakv::gather_cache_sequences(sbad); },
+      "block_table: expected a view within 2^56 bytes");
 }
 
 // ---- names, errors, small helpers ------------------------------------------------------------
@@ -998,11 +1012,11 @@ TEST(Validation, ExtentLimits) {
   // 4 KB (its size) before the top of the address space: one past its last byte wraps to 0.
   p.input = mlakv::make_view(reinterpret_cast<void*>(UINTPTR_MAX - 4095), DType::kBFloat16, {2, N});
   expect_rejected(
-      Arena{}, [&] { mlakv::rms_norm(p); }, "input: expected a view spanning less than 2^56");
+      Arena{}, [&] { mlakv::rms_norm(p); }, "input: expected a view within 2^56 bytes");
   p.input = mlakv::make_view(rows.data() + 2 * N, DType::kBFloat16, {2, N});
   p.output.shape[0] = int64_t{1} << 47;  // 2^47 rows of 2 KB
   expect_rejected(
-      Arena{}, [&] { mlakv::rms_norm(p); }, "output: expected a view spanning less than 2^56");
+      Arena{}, [&] { mlakv::rms_norm(p); }, "output: expected a view within 2^56 bytes");
 
   std::vector<uint8_t> values(2 * N);
   std::vector<float> scales(2 * 8);
@@ -1014,12 +1028,39 @@ TEST(Validation, ExtentLimits) {
   q.quant.scales = mlakv::make_view(scales.data(), DType::kFloat32, {2, 8});
   q.quant.scales.shape[0] = int64_t{1} << 55;  // 2^55 rows of 32 bytes
   expect_rejected(
-      Arena{}, [&] { mlakv::rmsnorm_quant(q); },
-      "quant.scales: expected a view spanning less than 2^56");
+      Arena{}, [&] { mlakv::rmsnorm_quant(q); }, "quant.scales: expected a view within 2^56 bytes");
   q.quant.scales.shape[0] = 2;
   q.input.stride[0] = int64_t{1} << 62;
   expect_rejected(
-      Arena{}, [&] { mlakv::rmsnorm_quant(q); }, "input: expected a view spanning less than 2^56");
+      Arena{}, [&] { mlakv::rmsnorm_quant(q); }, "input: expected a view within 2^56 bytes");
+  // One token: the row stride is never used, but a stride times the element size must not
+  // overflow in the validator (2 * (2^62 + 8) did, and wrapped to a multiple of 16 bytes).
+  q.num_tokens = 1;
+  q.input.stride[0] = (int64_t{1} << 62) + 8;
+  expect_rejected(
+      Arena{}, [&] { mlakv::rmsnorm_quant(q); }, "input: expected a view within 2^56 bytes");
+
+  // A size-1 dim's stride is never used: any value below 2^56 is accepted (PyTorch gives such
+  // strides), with the bytes of the usual layout.
+  mlakv::RmsNormParams one;
+  one.num_tokens = 1;
+  one.weight = p.weight;
+  one.input = mlakv::make_view(rows.data(), DType::kBFloat16, {1, N});
+  one.output = mlakv::make_view(rows.data() + 2 * N, DType::kBFloat16, {1, N});
+  for (int i = 0; i < N; ++i) {
+    rows[i] = static_cast<uint16_t>(0x3f80 + (i % 7) * 0x10);  // bf16 1.0, 1.125, ...
+    weight[i] = 0x3f80;
+  }
+  EXPECT_NO_THROW(mlakv::rms_norm(one));
+  const std::vector<uint16_t> usual(rows.begin() + 2 * N, rows.begin() + 3 * N);
+  std::fill(rows.begin() + 2 * N, rows.begin() + 3 * N, uint16_t{0});
+  one.input.stride[0] = (int64_t{1} << 56) - 1;
+  one.output.stride[0] = -5;  // dim 0 of size 1; the innermost stride stays 1
+  EXPECT_NO_THROW(mlakv::rms_norm(one));
+  EXPECT_TRUE(std::equal(usual.begin(), usual.end(), rows.begin() + 2 * N));
+  one.input.stride[0] = int64_t{1} << 56;
+  expect_rejected(
+      Arena{}, [&] { mlakv::rms_norm(one); }, "input: expected a view within 2^56 bytes");
 
   TensorView big = mlakv::make_view(static_cast<void*>(nullptr), DType::kBFloat16, {1, 1});
   big.shape[0] = big.shape[1] = int64_t{1} << 40;
@@ -1034,6 +1075,16 @@ TEST(Validation, ExtentLimits) {
                mlakv::Error);
   EXPECT_THROW(mlakv::cache_entry_bytes(CacheFormat::kBFloat16, int64_t{1} << 62, 64),
                mlakv::Error);
+  // No block, but one block's bytes (the view's stride_block_bytes) would overflow.
+  EXPECT_THROW(mlakv::make_cache_view(static_cast<void*>(nullptr), CacheFormat::kBFloat16, 0,
+                                      int64_t{1} << 62, 512, 64),
+               mlakv::Error);
+  EXPECT_THROW(mlakv::make_split_cache_view(static_cast<void*>(nullptr), nullptr,
+                                            CacheFormat::kBFloat16, 0, int64_t{1} << 62, 512, 64),
+               mlakv::Error);
+  mlakv::KVCacheView huge;
+  huge.num_blocks = huge.block_size = int64_t{1} << 40;
+  EXPECT_EQ(huge.num_slots(), INT64_MAX);
 }
 
 TEST(Validation, ErrorCountsArguments) {

@@ -67,7 +67,11 @@ struct KVCacheView {
   // fp8_ds_mla only: round each tile scale up to a power of two (FlashMLA's reader prefers it).
   bool ds_mla_pow2_scale = false;
 
-  int64_t num_slots() const { return num_blocks * block_size; }
+  // num_blocks * block_size; INT64_MAX past int64 (a view that no validator accepts).
+  int64_t num_slots() const {
+    int64_t n = 0;
+    return __builtin_mul_overflow(num_blocks, block_size, &n) ? INT64_MAX : n;
+  }
   bool is_split() const { return rope_data != nullptr; }
 };
 

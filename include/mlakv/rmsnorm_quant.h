@@ -49,7 +49,7 @@ struct Fp8GroupQuantOutput {
   TensorView values;                            // [>=T, N], float8_e4m3fn
   TensorView scales;                            // [>=T, N/G], float32, row- or column-major (above)
   int64_t group_size = kDefaultQuantGroupSize;  // G
-  float scale_floor = kDefaultScaleFloor;       // > 0, finite
+  float scale_floor = kDefaultScaleFloor;       // finite, >= FLT_MIN
   bool pow2_scale = false;                      // round every scale up to a power of two
 };
 

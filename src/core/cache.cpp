@@ -91,8 +91,10 @@ namespace {
 int64_t checked_cache_bytes(const char* op, CacheFormat format, int64_t num_blocks,
                             int64_t block_size, int64_t L, int64_t R) {
   const int64_t entry = cache_entry_bytes(format, L, R);
-  int64_t slots = 0, bytes = 0;
-  MLAKV_CHECK(core::checked_mul_add(num_blocks, block_size, 0, &slots) &&
+  int64_t slots = 0, bytes = 0, block_bytes = 0;
+  // One block's bytes too: the view's stride_block_bytes, also when there is no block.
+  MLAKV_CHECK(core::checked_mul_add(block_size, entry, 0, &block_bytes) &&
+                  core::checked_mul_add(num_blocks, block_size, 0, &slots) &&
                   core::checked_mul_add(slots, entry, 0, &bytes),
               op, ": expected a cache below 2^", core::kMaxExtentLog2, " bytes, got ", num_blocks,
               " blocks of ", block_size, " entries of ", entry, " bytes");

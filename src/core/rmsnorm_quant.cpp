@@ -75,9 +75,10 @@ class Validator {
     }
     int64_t bytes = 0;
     if (!core::extent_bytes(v, &bytes)) {
-      fail(arg, "expected a view spanning less than 2^" + std::to_string(core::kMaxExtentLog2) +
-                    " bytes from its address, got " + v.describe() + " at address " +
-                    pointer_string(v.data));
+      const std::string limit = "2^" + std::to_string(core::kMaxExtentLog2);
+      fail(arg, "expected a view within " + limit +
+                    " bytes (sizes, strides and the bytes spanned from its address below " + limit +
+                    "), got " + v.describe() + " at address " + pointer_string(v.data));
     }
   }
 
@@ -104,7 +105,7 @@ class Validator {
                     v.describe());
     }
     const int64_t elem = static_cast<int64_t>(dtype_size(dtype));
-    if ((v.stride[0] * elem) % kVectorBytes != 0) {
+    if (v.stride[0] % (kVectorBytes / elem) != 0) {
       fail(arg, "expected a row stride that is a multiple of " +
                     std::to_string(kVectorBytes / elem) + " elements (16 bytes), got " +
                     v.describe());

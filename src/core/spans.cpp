@@ -39,9 +39,17 @@ bool checked_mul_add(int64_t a, int64_t b, int64_t c, int64_t* out) {
 bool extent_bytes(const TensorView& t, int64_t* bytes) {
   *bytes = 0;
   if (!t.present()) return true;
+  // Every size and stride below 2^56, those of empty views and size-1 dims too: a count taken from
+  // a size (B + 1 rows) or a stride times an element size can then never overflow.
+  bool empty = false;
   for (int d = 0; d < t.ndim; ++d) {
-    if (t.shape[d] == 0) return true;
+    if (t.shape[d] >= kMaxExtentBytes || t.stride[d] >= kMaxExtentBytes ||
+        t.stride[d] <= -kMaxExtentBytes) {
+      return false;
+    }
+    empty = empty || t.shape[d] == 0;
   }
+  if (empty) return true;
   int64_t last = 0;  // elements from the first to the last
   for (int d = 0; d < t.ndim; ++d) {
     // The stride of a size-1 dim is never used (it may be anything, as in PyTorch).
@@ -107,6 +115,8 @@ bool may_overlap(const Span& a, const Span& b) {
   if (a.row_bytes <= 0 || b.row_bytes <= 0) return false;
   const uintptr_t a_end = a.base + static_cast<uintptr_t>(a.last_row + a.row_bytes);
   const uintptr_t b_end = b.base + static_cast<uintptr_t>(b.last_row + b.row_bytes);
+  // A span that wraps the address space (a raw scalar pointer at its top) counts as overlapping.
+  if (a_end <= a.base || b_end <= b.base) return true;
   if (a_end <= b.base || b_end <= a.base) return false;
   const uintptr_t m = static_cast<uintptr_t>(std::gcd(a.stride_gcd, b.stride_gcd));
   if (m == 0) return true;  // two single rows whose ranges meet

@@ -31,9 +31,10 @@ constexpr int kMaxExtentLog2 = 56;
 constexpr int64_t kMaxExtentBytes = int64_t{1} << kMaxExtentLog2;
 
 // The bytes from view t's first element to one past its last (0 when it is empty), computed
-// without overflow. Returns false when the extent reaches kMaxExtentBytes or data + extent wraps
-// the address space, or a dim of size > 1 has a negative stride; *bytes is then unspecified.
-// t must have sizes >= 0.
+// without overflow. Returns false when a size or a stride's magnitude reaches kMaxExtentBytes
+// (empty views and size-1 dims included), the extent reaches kMaxExtentBytes, one past the last
+// byte does not fit in the address space, or a dim of size > 1 has a negative stride; *bytes is
+// then unspecified. t must have sizes >= 0.
 bool extent_bytes(const TensorView& t, int64_t* bytes);
 
 // a * b + c for non-negative operands, false when the result reaches kMaxExtentBytes.

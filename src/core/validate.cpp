@@ -68,8 +68,9 @@ class Validator {
                     " (the device of ", device_source_, "), got ", given());
   }
 
-  // Layout rules of every tensor: ndim, sizes >= 0, innermost stride 1, other strides >= 0 (0 only
-  // on size-1 dims), data non-null when non-empty and aligned to the element size, one device.
+  // Layout rules of every tensor: ndim, sizes >= 0, innermost stride 1 and other strides > 0 (any
+  // on size-1 dims), sizes and strides within 2^56 bytes (spans.h), data non-null when non-empty
+  // and aligned to the element size, one device.
   void tensor(const char* name, const TensorView& t, int ndim, const char* dims) {
     MLAKV_ARG_CHECK(*this, t.present(), name, "expected ", ndim, " dims ", dims, ", got absent");
     MLAKV_ARG_CHECK(*this, t.ndim == ndim, name, "expected ", ndim, " dims ", dims, ", got ",
@@ -80,17 +81,18 @@ class Validator {
     MLAKV_ARG_CHECK(*this, t.shape[ndim - 1] <= 1 || t.stride[ndim - 1] == 1, name,
                     "expected a contiguous innermost dim (stride 1), got ", t.describe());
     for (int d = 0; d + 1 < ndim; ++d) {
-      MLAKV_ARG_CHECK(*this, t.stride[d] > 0 || (t.stride[d] == 0 && t.shape[d] <= 1), name,
-                      "expected positive strides (0 only on size-1 dims), got ", t.describe());
+      // A size-1 dim's stride is never used: any value (bounded by extent_bytes below).
+      MLAKV_ARG_CHECK(*this, t.stride[d] > 0 || t.shape[d] <= 1, name,
+                      "expected positive strides (any on size-1 dims), got ", t.describe());
     }
     MLAKV_ARG_CHECK(*this,
                     static_cast<int>(t.dtype) >= static_cast<int>(DType::kFloat32) &&
                         static_cast<int>(t.dtype) <= static_cast<int>(DType::kUInt8),
                     name, "expected a known dtype, got dtype value ", static_cast<int>(t.dtype));
     int64_t bytes = 0;
-    MLAKV_ARG_CHECK(*this, extent_bytes(t, &bytes), name, "expected a view spanning less than 2^",
-                    kMaxExtentLog2, " bytes from its address, got ", t.describe(), " at address ",
-                    t.data);
+    MLAKV_ARG_CHECK(*this, extent_bytes(t, &bytes), name, "expected a view within 2^",
+                    kMaxExtentLog2, " bytes (sizes, strides and the bytes spanned from its address",
+                    " below 2^", kMaxExtentLog2, "), got ", t.describe(), " at address ", t.data);
     MLAKV_ARG_CHECK(*this, t.data != nullptr || bytes == 0, name, "expected non-null data for ",
                     t.numel(), " elements, got nullptr for ", t.describe());
     const size_t elem = dtype_size(t.dtype);
@@ -261,8 +263,11 @@ IndexArg index_arg(const TensorView& t) {
   return a;
 }
 
+// A count given beside the tensors (T, num_seqs): >= 0 and below 2^56, like every size, so that
+// n + 1 and the like cannot overflow.
 void check_num_tokens(Validator& v, const char* name, int64_t n) {
-  MLAKV_ARG_CHECK(v, n >= 0, name, "expected >= 0, got ", n);
+  MLAKV_ARG_CHECK(v, n >= 0 && n < kMaxExtentBytes, name, "expected >= 0 and below 2^",
+                  kMaxExtentLog2, ", got ", n);
 }
 
 // RMSNorm's eps, the same rule in every op (rmsnorm_quant.cpp too): finite and >= 0 (with 0, an
