@@ -456,9 +456,10 @@ __device__ __forceinline__ Pair<Dst> encode_pair(const Pair<T>& m, const Divisor
 // launch finds them in no multiprocessor's constant cache. These reads compile to uniform loads,
 // and each of their misses stalls the warp in turn: ~25-30 ns a line on the H200, ~0.4 us for
 // the fused op's block. So the prefetch moves those misses to the kernel's head rather than
-// overlapping them; it measured neither faster nor slower at small T, and an indexed form (all
-// lines requested at once) was slower (perf-notes, second and seventh sessions). `never` must be
-// false at run time: the trap it guards only keeps the compiler from dropping the reads.
+// overlapping them: worth it only where the head itself is hidden, before the programmatic wait
+// of a PDL launch (perf-notes, fourteenth session); an indexed form (all lines requested at once)
+// was slower (seventh session). `never` must be false at run time: the trap it guards only keeps
+// the compiler from dropping the reads.
 template <typename P>
 __device__ __forceinline__ void prefetch_params(const P& p, bool never) {
   const uint32_t* words = reinterpret_cast<const uint32_t*>(&p);

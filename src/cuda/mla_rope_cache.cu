@@ -245,10 +245,10 @@ void run(const core::MlaRopeCacheArgs& a, bool apply_rope, const Context& ctx) {
               "CUDA backend, got ", a.rope_dim);
   int32_t* error_counts = a.error_counts != nullptr ? a.error_counts : ctx.error_counts;
   const bool vec = vec_ok(a);
-  const MlaRopeCacheKernelParams p =
-      make_params(a, apply_rope, vec, error_counts, resident_warps());
+  MlaRopeCacheKernelParams p = make_params(a, apply_rope, vec, error_counts, resident_warps());
   if (p.num_items <= 0) return;
   const Launch launch = launch_of(ctx);
+  p.prefetch_params = launch.pdl;
   MLAKV_MODEL_DTYPE_SWITCH(a.model_dtype, "kv_c", T, [&] { dispatch_format<T>(p, vec, launch); });
 }
 

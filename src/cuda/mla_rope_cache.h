@@ -53,26 +53,31 @@ struct CopyList {
 };
 
 struct MlaRopeCacheKernelParams {
-  core::MlaRopeCacheArgs args;  // validated; the rope fields are unused when !apply_rope
-  bool apply_rope = true;       // false: concat_and_cache_mla / decode_q_concat (no rotation)
-  int32_t* error_counts = nullptr;
-
+  // The dispatch and the rope items' placement first: a launch's parameter lines reach a warp one
+  // constant-cache miss after another, so what every warp reads before its first loads leads.
   // Warp work items, in this order: K side (one per token), rope (one per token and group of
   // heads), decode nope copy, prefill nope copy.
+  int64_t num_items = 0;  // all of them
   int64_t num_k_items = 0;
+  int64_t num_rope_items = 0;
   int64_t rope_token_begin = 0;
   FastDiv rope_group_div;  // by the groups of heads a token has, ceil(H / rope_heads_per_item)
   int32_t rope_pairs_per_lane = 1;  // ceil(R / 2 / 32)
   int32_t rope_heads_per_item = 1;  // 8 / rope_pairs_per_lane
-  int64_t num_rope_items = 0;
   // Rope items move whole 8-element chunks (GPT-J or no rotation, vector access, R / 8 divides
   // 32): a lane stages rope_chunk_slots chunks, rope_heads_per_item = rope_chunk_slots * 32 / (R /
   // 8) heads an item, and rope_pairs_per_lane is unused.
-  bool rope_chunked = false;
   int32_t rope_chunk_slots = 0;
-  CopyList decode_copy;   // ql_nope -> q_out nope part, rows t < Td
-  CopyList prefill_copy;  // q nope part -> q_prefill_out, rows t >= Td
-  int64_t num_items = 0;  // all of the above
+  bool rope_chunked = false;
+  bool apply_rope = true;  // false: concat_and_cache_mla / decode_q_concat (no rotation)
+  // Read every parameter line before the programmatic wait (a PDL launch, where that time is
+  // hidden behind the previous kernel); otherwise each item reads only the lines it uses.
+  bool prefetch_params = false;
+  int32_t* error_counts = nullptr;
+
+  core::MlaRopeCacheArgs args;  // validated; the rope fields are unused when !apply_rope
+  CopyList decode_copy;         // ql_nope -> q_out nope part, rows t < Td
+  CopyList prefill_copy;        // q nope part -> q_prefill_out, rows t >= Td
 };
 
 // The kernel for model type T, cache format kFormat, q_out element type QOut and the vector-access
