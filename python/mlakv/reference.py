@@ -5,9 +5,10 @@ same way (in place), so a test runs both on cloned inputs and compares. Math fol
 
 * RoPE in fp32 with fma semantics: ``x' = fma(x, c, -(y*s))``, ``y' = fma(y, c, x*s)``, rounded
   once to the output dtype. The fma is emulated exactly in float64 (see ``fma_f32``).
-* RMSNorm: the sum of squares is taken in float64 and rounded to fp32 (the kernels add in fp32 in
-  some order, so they may differ by 1 ulp of the output dtype), then ``x * rsqrt(mean + eps) * w``
-  in fp32 steps, rounded once.
+* RMSNorm: the fp32 sum of squares in the library's documented order (docs/rmsnorm_quant.md: the
+  pairwise tree over the row padded with +0 to a power of two), then ``x * rsqrt(mean + eps) * w``
+  in fp32 steps (the square root and the reciprocal correctly rounded), rounded once: the
+  kernels' bytes exactly.
 * FP8: saturating round-to-nearest-even (clamp to +-max first: torch's casts do not saturate),
   NaN stays NaN; stored value = ``cvt(x / scale)`` with the value first rounded to the model dtype.
 * fp8_ds_mla: per tile of 128, scale = ``max(amax / 448, FLT_MIN)`` (optionally rounded up to a
@@ -96,13 +97,28 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, is_neox: b
     return out
 
 
+def tree_sum_squares(s: torch.Tensor) -> torch.Tensor:
+    """fp32 sum of the squares of ``s [T, N]`` (float32) as the complete binary tree over the index,
+    the row padded with +0 to a power of two (RMSNorm's documented order), as [T, 1]."""
+    sq = s * s
+    T, N = sq.shape
+    width = 1 << (N - 1).bit_length()  # N rounded up to a power of two
+    if width > N:
+        sq = torch.cat([sq, sq.new_zeros(T, width - N)], dim=1)  # + 0.0 leaves every sum unchanged
+    while sq.shape[1] > 1:
+        sq = sq[:, 0::2] + sq[:, 1::2]  # one level: elements 2j and 2j + 1 into element j
+    return sq
+
+
 def rms_norm_values(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm of ``x [T, N]`` as float32 values, before rounding to the output dtype."""
     xf = x.float().cpu()
-    n = xf.shape[-1]
-    sum_squares = (xf.double() ** 2).sum(-1, keepdim=True).to(torch.float32)
-    eps32 = torch.tensor(eps, dtype=torch.float32)
-    inv = 1.0 / torch.sqrt(sum_squares / float(n) + eps32)
+    mean = tree_sum_squares(xf) / xf.shape[-1]
+    # sqrt and 1 / x in float64, rounded once to float32: the correctly rounded fp32 results (53 >=
+    # 2 * 24 + 2 bits). torch's own fp32 sqrt on the CPU is not always (1 ulp off for some inputs:
+    # torch 2.11, AVX-512).
+    root = torch.sqrt((mean + torch.tensor(eps, dtype=torch.float32)).double()).float()
+    inv = (1.0 / root.double()).float()
     return (xf * inv) * weight.float().cpu()
 
 
@@ -307,7 +323,7 @@ def decode_q_concat(ql_nope, q_pe, q_out, *, q_scale=None) -> None:
 
 
 def rms_norm(input, weight, eps=1e-6, *, out=None):
-    """Reference of ``mlakv.rms_norm`` (sum of squares in float64)."""
+    """Reference of ``mlakv.rms_norm``."""
     vals = rms_norm_values(input, weight, eps).to(input.dtype).to(input.device)
     if out is None:
         return vals

@@ -1,5 +1,5 @@
 """torch.ops.mlakv.rmsnorm_quant / mla_rmsnorm_quant / per_token_group_quant_fp8 against a
-pure-PyTorch reference written here.
+pure-PyTorch reference (the RMSNorm of mlakv.reference, the group quantization written here).
 
 The reference sums the squares in the library's documented order (the pairwise fp32 tree over the
 element index, the row padded with zeros to a power of two), so every byte must match on the CPU
@@ -11,6 +11,8 @@ import pytest
 import torch
 
 mlakv = pytest.importorskip("mlakv")
+from mlakv import reference as ref  # noqa: E402 (after the skip when mlakv is missing)
+
 if not hasattr(torch.ops.mlakv, "rmsnorm_quant"):
     pytest.skip("the mlakv extension has no rmsnorm_quant", allow_module_level=True)
 
@@ -28,18 +30,6 @@ def device(request):
 
 
 # ---- reference ---------------------------------------------------------------------------------
-def ref_sum_squares(s: torch.Tensor) -> torch.Tensor:
-    """fp32 sum of squares of s [T, N] (float32) in the library's order: the pairwise tree."""
-    sq = s * s
-    T, N = sq.shape
-    width = 1 << (N - 1).bit_length()  # N rounded up to a power of two
-    if width > N:
-        sq = torch.cat([sq, sq.new_zeros(T, width - N)], dim=1)  # + 0.0 leaves every sum unchanged
-    while sq.shape[1] > 1:
-        sq = sq[:, 0::2] + sq[:, 1::2]  # one level: elements 2j and 2j + 1 into element j
-    return sq[:, 0]
-
-
 def ref_rms_norm(x, weight, eps, residual=None):
     """Returns (y rounded to the model dtype, residual sum or None), all on the CPU."""
     x = x.cpu()
@@ -49,13 +39,7 @@ def ref_rms_norm(x, weight, eps, residual=None):
     if residual is not None:
         new_residual = (s + residual.cpu().float()).to(dt)
         s = new_residual.float()
-    mean = ref_sum_squares(s) / s.shape[1]
-    # sqrt and 1 / x in float64, rounded once to float32: the correctly rounded fp32 results (53 >=
-    # 2 * 24 + 2 bits). torch's own fp32 sqrt on the CPU is not: 1 ulp off for some inputs (torch
-    # 2.11, AVX-512), which showed in fp32 outputs.
-    root = torch.sqrt((mean + torch.tensor(eps, dtype=torch.float32)).double()).float()
-    inv = (1.0 / root.double()).float()
-    y = ((s * inv[:, None]) * weight.cpu().float()).to(dt)
+    y = ref.rms_norm_values(s, weight, eps).to(dt)
     return y, new_residual
 
 
