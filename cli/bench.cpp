@@ -212,9 +212,6 @@ void expect_same(const std::string& label, const char* what, const char* versus,
   }
 }
 
-// expect_same for buffers of 2-byte float codes (bf16 / fp16) that may differ by up to `codes`
-// units in the last place: the reference's RMSNorm sums its squares in another order than the
-// library (DESIGN.md: at most 1 ulp of the output dtype).
 // One (workload, T) row of the table: its input sets, ops and correctness check.
 class BenchRow {
  public:

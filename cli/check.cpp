@@ -6,7 +6,6 @@
 // the CPU. Values derived from RMSNorm may differ by one code (DESIGN.md: sum order).
 #include <algorithm>
 #include <array>
-#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <sstream>

@@ -8,7 +8,6 @@
 #include <cmath>
 #include <cstdint>
 #include <string>
-#include <vector>
 
 #include "core/rmsnorm_quant_args.h"
 #include "core/spans.h"

@@ -1,14 +1,9 @@
 // mlakv internal: argument validation of the public ops (see validate.h).
 #include "core/validate.h"
 
-#include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
-#include <numeric>
 #include <string>
-#include <utility>
-#include <vector>
 
 #include "core/spans.h"
 #include "mlakv/cache.h"

@@ -252,9 +252,7 @@ float tree_sum_squares(const std::vector<float>& x, size_t lo, size_t size) {
 // operation (no contraction: -ffp-contract=off): sum = the tree above, inv = 1 / sqrt(sum / N +
 // eps), y = (x * inv) * w. The same order as the library's, so its outputs compare exactly.
 std::vector<float> rms_normalize(const std::vector<float>& x, const TensorView& weight, float eps) {
-  size_t size = 1;
-  while (size < x.size()) size *= 2;
-  const float mean = tree_sum_squares(x, 0, size) / static_cast<float>(x.size());
+  const float mean = ref::tree_sum_squares(x) / static_cast<float>(x.size());
   const float inv = 1.0f / std::sqrt(mean + eps);
   std::vector<float> out(x.size());
   for (size_t i = 0; i < x.size(); ++i) {
