@@ -31,11 +31,10 @@ void launch_rows(const RmsNormQuantKernelParams& params, int64_t num_blocks0, in
   constexpr int kTwo1 = kN1 > 0 ? kN1 / kChunkElems : kTwoChunks;
   constexpr int kFew1 = kN1 > 0 ? kN1 / kChunkElems : kFew;
   if constexpr (kOneChunk > kFew) {
-    const int64_t one_chunk_max =
-        kRmsqRowsBounded<T, kN0, kN1, kOneChunk>
-            ? std::max<int64_t>(kRmsqOneChunkMaxBlocks,
-                                int64_t{kRmsqDualOneChunkBlocksPerSm} * multiprocessor_count())
-            : kRmsqOneChunkMaxBlocks;
+    // A bounded instance's grid stays one wave up to its resident blocks (rmsnorm_quant.h).
+    const int64_t one_chunk_max = std::max<int64_t>(
+        kRmsqOneChunkMaxBlocks,
+        int64_t{kRmsqRowsMinBlocks<T, kN0, kN1, kOneChunk>} * multiprocessor_count());
     if (total <= one_chunk_max) {
       launch_rmsnorm_quant_rows_kernel<T, kN0, kN1, kOneChunk, kOne1>(params, total,
                                                                       max_norm_hidden, launch);

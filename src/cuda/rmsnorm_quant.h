@@ -6,7 +6,9 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
+#include "common/numerics.h"
 #include "core/rmsnorm_quant_args.h"
 
 namespace mlakv {
@@ -61,18 +63,6 @@ constexpr int kRmsqRowsPerBlock = 2;
 // eighth sessions): T = 1 2.8 -> 2.2 us, T = 1024 5.3 -> 4.8 us, T = 2048 7.2 -> 6.9 us with the
 // forms, T = 16384 unchanged.
 constexpr int64_t kRmsqOneChunkMaxBlocks = 768;
-// The dual form's one-chunk instance for 16-bit rows is compiled for this many resident blocks a
-// multiprocessor (rmsnorm_quant_rows_kernel_bounded: at most 40 registers for 192 threads; fp32
-// rows would spill) and takes grids of up to that many blocks a multiprocessor, past
-// kRmsqOneChunkMaxBlocks: its kv_c blocks are light (64 active threads), so what counts is that
-// the whole grid is one wave. At T = 1024 (1024 blocks; 7 resident a multiprocessor at the
-// unbounded 47 registers, 8 at 40) the H200 ran it in 4.9 us bounded and 5.2 us in the two-chunk
-// form (docs/perf-notes.md, eighth session).
-constexpr int kRmsqDualOneChunkBlocksPerSm = 8;
-// Whether the exact-fit instance (rows of N0 and N1 on kThreads0 threads) is that one: the dual
-// form, one chunk a thread, 16-bit rows. The launcher's form rule and its kernel choice both ask.
-template <typename T, int kN0, int kN1, int kThreads0>
-constexpr bool kRmsqRowsBounded = kN1 > 0 && kThreads0 * 8 == kN0 && sizeof(T) == 2;
 constexpr int64_t kRmsqTwoChunksMaxBlocks = 2048;
 // The dual form leaves the two-chunk form at half that: its kv_c blocks double the grid, and
 // there the few-thread form's smaller blocks (more resident a multiprocessor) take fewer waves.
@@ -82,6 +72,33 @@ constexpr int64_t kRmsqDualTwoChunksMaxBlocks = 1024;
 constexpr int rmsq_rows_threads(int N0, int N1) {
   return static_cast<int>(rmsq_threads_for((N0 > N1 ? N0 : N1) / 8));
 }
+
+// Two instances of the dual form are compiled for more resident blocks a multiprocessor than
+// ptxas's unbounded register counts allow (rmsnorm_quant_rows_kernel_bounded), so that its grids,
+// whose kv_c blocks are light (64 active threads), take fewer waves:
+// - the one-chunk instance for 16-bit rows: kRmsqDualOneChunkBlocksPerSm (at most 40 registers for
+//   192 threads; fp32 rows would spill). It takes grids of up to that many blocks a
+//   multiprocessor, past kRmsqOneChunkMaxBlocks: what counts is that the whole grid is one wave.
+//   At T = 1024 (1024 blocks; 7 resident a multiprocessor at the unbounded 47 registers, 8 at 40)
+//   the H200 ran it in 4.9 us bounded and 5.2 us in the two-chunk form (docs/perf-notes.md,
+//   eighth session).
+// - the few-thread instance (64 threads) for bf16 rows: kRmsqDualFewBlocksPerSm (64 registers, 71
+//   unbounded: 14 blocks; only the calls of the rare exact quantization path spill, a few bytes
+//   in encode_chunk_exact_words and the IEEE division's slow path). On the H200
+//   (docs/perf-notes.md, fifteenth session): T = 4096 unchanged, T = 8192 18.4 -> 18.2 us,
+//   T = 16384 34.4 -> 33.7 us. q_c alone ran as fast either way under the same bound, and fp16
+//   rows spill at 64 registers: those instances stay unbounded.
+constexpr int kRmsqDualOneChunkBlocksPerSm = 8;
+constexpr int kRmsqDualFewBlocksPerSm = 16;
+// The resident blocks a multiprocessor the exact-fit instance (rows of N0 and N1 on kThreads0
+// threads) is compiled for; 0: no bound. The launcher's form rule and its kernel choice both ask.
+template <typename T, int kN0, int kN1, int kThreads0>
+constexpr int kRmsqRowsMinBlocks =
+    kN1 == 0 || sizeof(T) != 2 ? 0
+    : kThreads0 * 8 == kN0     ? kRmsqDualOneChunkBlocksPerSm
+    : kThreads0 == rmsq_rows_threads(kN0, kN1) && std::is_same_v<T, num::Bf16>
+        ? kRmsqDualFewBlocksPerSm
+        : 0;
 
 // The two block counts come first: with them, task 0's num_tokens, input and stride_input_token
 // lie in the parameter block's first 64-byte line, all that a block reads before its first loads.

@@ -793,12 +793,12 @@ __global__ void __launch_bounds__(kThreads0)
   rmsnorm_quant_rows<T, kN0, kN1, kThreads0, kThreads1>(params);
 }
 
-// The same for a register cap of kRmsqDualOneChunkBlocksPerSm resident blocks (the dual form's
-// one-chunk instance, rmsnorm_quant.h). A separate kernel: a minimum-blocks bound of 1 on the
-// others is not the same as none (ptxas then gave the 64-thread instances 111 registers, not 80,
-// and T = 4096 ran 4-6 % slower).
+// The same for a register cap of kRmsqRowsMinBlocks resident blocks (two instances of the dual
+// form, rmsnorm_quant.h). A separate kernel: a minimum-blocks bound of 1 on the others is not the
+// same as none (ptxas then gave the 64-thread instances 111 registers, not 80, and T = 4096 ran
+// 4-6 % slower).
 template <typename T, int kN0, int kN1, int kThreads0, int kThreads1>
-__global__ void __launch_bounds__(kThreads0, kRmsqDualOneChunkBlocksPerSm)
+__global__ void __launch_bounds__(kThreads0, (kRmsqRowsMinBlocks<T, kN0, kN1, kThreads0>))
     rmsnorm_quant_rows_kernel_bounded(const __grid_constant__ RmsNormQuantKernelParams params) {
   rmsnorm_quant_rows<T, kN0, kN1, kThreads0, kThreads1>(params);
 }
@@ -820,7 +820,7 @@ template <typename T, int kN0, int kN1, int kThreads0, int kThreads1>
 void launch_rmsnorm_quant_rows_kernel(const RmsNormQuantKernelParams& params, int64_t num_blocks,
                                       int64_t max_norm_hidden, const Launch& launch) {
   const size_t smem_bytes = rmsq_smem_bytes<T>(max_norm_hidden);
-  if constexpr (kRmsqRowsBounded<T, kN0, kN1, kThreads0>) {
+  if constexpr ((kRmsqRowsMinBlocks<T, kN0, kN1, kThreads0>) > 0) {
     launch_kernel("rmsnorm_quant_rows_kernel_bounded",
                   rmsq::rmsnorm_quant_rows_kernel_bounded<T, kN0, kN1, kThreads0, kThreads1>,
                   static_cast<unsigned>(num_blocks), static_cast<unsigned>(kThreads0), smem_bytes,
