@@ -85,7 +85,7 @@ constexpr int rmsq_rows_threads(int N0, int N1) {
 // - the few-thread instance (64 threads) for bf16 rows: kRmsqDualFewBlocksPerSm (64 registers, 71
 //   unbounded: 14 blocks; only the calls of the rare exact quantization path spill, a few bytes
 //   in encode_chunk_exact_words and the IEEE division's slow path). On the H200
-//   (docs/perf-notes.md, fifteenth session): T = 4096 unchanged, T = 8192 18.4 -> 18.2 us,
+//   (docs/perf-notes.md, fifteenth session, run 44): T = 4096 unchanged, T = 8192 18.4 -> 18.2 us,
 //   T = 16384 34.4 -> 33.7 us. q_c alone ran as fast either way under the same bound, and fp16
 //   rows spill at 64 registers: those instances stay unbounded.
 constexpr int kRmsqDualOneChunkBlocksPerSm = 8;
