@@ -333,6 +333,50 @@ std::vector<FusedSpec> work_split_specs() {
   return out;
 }
 
+// Launches of T >= 2048 tokens, whose K items request their position and cos/sin before their
+// rows on the CUDA backend (src/cuda/mla_rope_cache.h kKTableFirstMinTokens; the 16-byte path with
+// a model-dtype q_out): mixed batches with RMSNorm over the cache formats, padding tokens, bad
+// positions (counted once per token in either order), a device Td, an fp16 model; and an e4m3
+// q_out, which keeps the rows-first order at every T.
+std::vector<FusedSpec> large_launch_specs() {
+  // DeepSeek-V3's widths on 2 heads: the K items are what the order changes.
+  constexpr ModelShape kShape{"dsv3h2", 2, 512, 64, 128};
+  std::vector<FusedSpec> out;
+  uint64_t seed = 600;
+  auto add = [&](FusedSpec s, const std::string& suffix) {
+    s.name += "_" + suffix;
+    s.seed = seed++;
+    out.push_back(s);
+  };
+  for (const FormatCase& f : {kFormats[0], kFormats[3], kFormats[6]}) {
+    FusedSpec s = base(kShape, f, 2050, 1000);
+    s.norm = true;
+    s.k_pe_out = s.kv_c_out = true;
+    s.padding_every = 7;
+    s.bad_positions = 3;
+    add(s, "large");
+  }
+  FusedSpec s = base(kShape, kFormats[0], 2048, 2048);
+  s.entry = Entry::kDecode;
+  s.prefill_q = false;
+  add(s, "large_decode");
+  s = base(kShape, kFormats[0], 2049, 700);
+  s.device_td = true;
+  s.device_td_value = 700;
+  s.prefill_out = true;
+  add(s, "large_devtd");
+  s = base(kShape, kFormats[1], 2049, 300);
+  s.model = DType::kFloat16;
+  s.norm = true;
+  add(s, "large_fp16");
+  s = base(kShape, kFormats[3], 2049, 2049);
+  s.q_out_dtype = DType::kFloat8E4M3;
+  s.q_scale = 0.05f;
+  s.norm = true;
+  add(s, "large_qout_e4m3");
+  return out;
+}
+
 using Param = std::tuple<Backend, FusedSpec>;
 
 class FusedOp : public testing::TestWithParam<Param> {};
@@ -364,6 +408,10 @@ INSTANTIATE_TEST_SUITE_P(WorkSplit, FusedOp,
 INSTANTIATE_TEST_SUITE_P(QSide, FusedOp,
                          testing::Combine(testing::ValuesIn(all_backends()),
                                           testing::ValuesIn(q_side_specs())),
+                         param_name);
+INSTANTIATE_TEST_SUITE_P(LargeLaunch, FusedOp,
+                         testing::Combine(testing::ValuesIn(all_backends()),
+                                          testing::ValuesIn(large_launch_specs())),
                          param_name);
 
 }  // namespace

@@ -22,6 +22,15 @@ constexpr int kStageBytes = 8192;
 // 16-bit vector instances, and 6 x 32 KB of shared memory).
 constexpr int kMlaResidentWarpsPerSm = 24;
 
+// From this many tokens on, a launch's K items wait for their position and request its cos/sin
+// entries before their rows, instead of requesting the rows first and the cos/sin entries when the
+// position has arrived (the 16-byte path with a model-dtype q_out; both orders wait the same two
+// round trips). On the H200 (docs/perf-notes.md, sixteenth session, run 50), table first:
+// decode_nope_in_q_out and prefill T = 2048 25.4 -> 25.0 us, prefill T = 8192 87.4 -> 86.3 us;
+// at T = 512 no faster (prefill 9.0 -> 9.1 us), and at T = 1-32 the rows' round trip behind the
+// position's lengthens the launch's longest chain (3-6 % slower, eleventh session, run 24).
+constexpr int64_t kKTableFirstMinTokens = 2048;
+
 // One streaming-copy work list of the fused kernel: the nope part of rows (t, h), flat row index
 // r = t * H + h in [row_begin, row_end). Item i moves up to 32 * slots chunks (8 elements each) of
 // whole rows (segments_per_row == 1: rows_per_item rows from row_begin + i * rows_per_item) or one
@@ -73,6 +82,9 @@ struct MlaRopeCacheKernelParams {
   // Read every parameter line before the programmatic wait (a PDL launch, where that time is
   // hidden behind the previous kernel); otherwise each item reads only the lines it uses.
   bool prefetch_params = false;
+  // The K items request their position and cos/sin before their rows (kKTableFirstMinTokens);
+  // read by launch_mla_rope_cache_kernel, which picks the kernel compiled for that order.
+  bool k_table_first = false;
   int32_t* error_counts = nullptr;
 
   core::MlaRopeCacheArgs args;  // validated; the rope fields are unused when !apply_rope

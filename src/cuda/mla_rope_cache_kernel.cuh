@@ -95,7 +95,7 @@ __device__ __forceinline__ float pick(const float (&a)[kMaxRopePairsPerLane], in
   return r;
 }
 
-template <typename T, CacheFormat kFormat, bool kVec>
+template <typename T, CacheFormat kFormat, bool kVec, bool kTableFirst>
 __device__ __forceinline__ void k_side_item(const MlaRopeCacheKernelParams& p, int64_t t, int lane,
                                             T* w_smem, float cache_scale) {
   // w_smem: the warp's stage, where the RMSNorm weight row lands.
@@ -112,9 +112,25 @@ __device__ __forceinline__ void k_side_item(const MlaRopeCacheKernelParams& p, i
   // (ahead of the rows: it heads the item's longest chain, position -> cos/sin -> cache entry, so
   // its round trip overlaps the row loads), then the rows. The position is clamped (and counted,
   // which keeps the compiler from hoisting later loads above the test) only after the rows are in
-  // flight.
+  // flight; kTableFirst (large launches, mla_rope_cache.h kKTableFirstMinTokens): before the rows
+  // are requested, with the cos/sin entries.
   const int64_t slot = load_index(a.slot_mapping, t);
   const int64_t raw_pos = p.apply_rope ? load_index(a.positions, t) : 0;
+  uint32_t cs_in[kMaxRopePairsPerLane] = {};
+  uint32_t sn_in[kMaxRopePairsPerLane] = {};
+  auto request_table = [&] {
+    const int64_t pos =
+        clamp_position(raw_pos, a.rope.max_pos, lane == 0 ? p.error_counts : nullptr);
+#pragma unroll
+    for (int j = 0; j < kMaxRopePairsPerLane; ++j) {
+      const int pr = lane + kWarpSize * j;
+      if (pr < half) {
+        cs_in[j] = start_load_table(a.rope, pos, pr);
+        sn_in[j] = start_load_table(a.rope, pos, half + pr);
+      }
+    }
+  };
+  if (kTableFirst && p.apply_rope) request_table();
   const T* kv_c = static_cast<const T*>(a.kv_c) + t * a.stride_kv_c_token;
   const T* weight = static_cast<const T*>(a.kv_norm_weight);
   // The rows stay in flight (vec.cuh ChunkInFlight) until every load of the item is issued.
@@ -141,20 +157,7 @@ __device__ __forceinline__ void k_side_item(const MlaRopeCacheKernelParams& p, i
                                              pair_second(neox, pr, half), !neox);
     }
   }
-  uint32_t cs_in[kMaxRopePairsPerLane] = {};
-  uint32_t sn_in[kMaxRopePairsPerLane] = {};
-  if (p.apply_rope) {
-    const int64_t pos =
-        clamp_position(raw_pos, a.rope.max_pos, lane == 0 ? p.error_counts : nullptr);
-#pragma unroll
-    for (int j = 0; j < kMaxRopePairsPerLane; ++j) {
-      const int pr = lane + kWarpSize * j;
-      if (pr < half) {
-        cs_in[j] = start_load_table(a.rope, pos, pr);
-        sn_in[j] = start_load_table(a.rope, pos, half + pr);
-      }
-    }
-  }
+  if (!kTableFirst && p.apply_rope) request_table();
 
   // After the loads are in flight: the scale's divisor (fp8 caches; unused and dropped otherwise),
   // then the rows split into elements.
@@ -605,7 +608,8 @@ static_assert(kMlaMinBlocks<num::Bf16, CacheFormat::kBFloat16, num::Bf16, true> 
                   kMlaResidentWarpsPerSm,
               "kMlaResidentWarpsPerSm: the resident warps of the 16-bit vector instances");
 
-template <typename T, CacheFormat kFormat, typename QOut, bool kVec>
+// kKTableFirst: the K items' order of large launches (k_side_item).
+template <typename T, CacheFormat kFormat, typename QOut, bool kVec, bool kKTableFirst>
 __global__ void __launch_bounds__(kMlaThreads, (kMlaMinBlocks<T, kFormat, QOut, kVec>))
     mla_rope_cache_kernel(const __grid_constant__ MlaRopeCacheKernelParams p) {
   // Each warp's stage: its K item's RMSNorm weight, or the chunks of its rope or copy item.
@@ -646,8 +650,8 @@ __global__ void __launch_bounds__(kMlaThreads, (kMlaMinBlocks<T, kFormat, QOut, 
   unsigned char* const my_stage = stage_bytes[warp];
   Chunk<T>* const stage = reinterpret_cast<Chunk<T>*>(my_stage);
   if (i < p.num_k_items) {
-    mla_detail::k_side_item<T, kFormat, kVec>(p, i, lane, reinterpret_cast<T*>(my_stage),
-                                              cache_scale);
+    mla_detail::k_side_item<T, kFormat, kVec, kKTableFirst>(
+        p, i, lane, reinterpret_cast<T*>(my_stage), cache_scale);
     return;
   }
   i -= p.num_k_items;
@@ -678,7 +682,16 @@ void launch_mla_rope_cache_kernel(const MlaRopeCacheKernelParams& params, const 
   MLAKV_CHECK(params.num_items <= 0x7fffffff, "mla_rope_cache: ", params.num_items,
               " work items exceed one launch");
   const int64_t grid = (params.num_items + kMlaWarps - 1) / kMlaWarps;
-  launch_kernel("mla_rope_cache_kernel", mla_rope_cache_kernel<T, kFormat, QOut, kVec>,
+  // The K items' table-first order is compiled for the 16-byte path with a model-dtype q_out only
+  // (the workloads it was measured on, mla_rope_cache.h).
+  if constexpr (kVec && std::is_same_v<QOut, T>) {
+    if (params.k_table_first) {
+      launch_kernel("mla_rope_cache_kernel", mla_rope_cache_kernel<T, kFormat, QOut, kVec, true>,
+                    static_cast<unsigned>(grid), kMlaThreads, 0, launch, params);
+      return;
+    }
+  }
+  launch_kernel("mla_rope_cache_kernel", mla_rope_cache_kernel<T, kFormat, QOut, kVec, false>,
                 static_cast<unsigned>(grid), kMlaThreads, 0, launch, params);
 }
 
