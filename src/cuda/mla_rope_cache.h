@@ -24,11 +24,11 @@ constexpr int kMlaResidentWarpsPerSm = 24;
 
 // From this many tokens on, a launch's K items wait for their position and request its cos/sin
 // entries before their rows, instead of requesting the rows first and the cos/sin entries when the
-// position has arrived (the 16-byte path with a model-dtype q_out; both orders wait the same two
-// round trips). On the H200 (docs/perf-notes.md, sixteenth session, run 50), table first:
-// decode_nope_in_q_out and prefill T = 2048 25.4 -> 25.0 us, prefill T = 8192 87.4 -> 86.3 us;
-// at T = 512 no faster (prefill 9.0 -> 9.1 us), and at T = 1-32 the rows' round trip behind the
-// position's lengthens the launch's longest chain (3-6 % slower, eleventh session, run 24).
+// position has arrived (the 16-byte path with q_out of the model dtype or no q_out; both orders
+// wait the same two round trips). On the H200 (docs/perf-notes.md, sixteenth session, run 52):
+// decode_nope_in_q_out T = 2048 25.3 -> 24.8 us, prefill T = 2048 25.3 -> 24.9 us, T = 4096-8192
+// within 0.6 % either way; run 50 found T = 512 no faster, and at T = 1-32 the rows' round trip
+// behind the position's lengthens the launch's longest chain (3-6 % slower, eleventh session).
 constexpr int64_t kKTableFirstMinTokens = 2048;
 
 // One streaming-copy work list of the fused kernel: the nope part of rows (t, h), flat row index

@@ -95,7 +95,7 @@ __device__ __forceinline__ float pick(const float (&a)[kMaxRopePairsPerLane], in
   return r;
 }
 
-template <typename T, CacheFormat kFormat, bool kVec, bool kTableFirst>
+template <typename T, CacheFormat kFormat, bool kVec, bool kKTableFirst>
 __device__ __forceinline__ void k_side_item(const MlaRopeCacheKernelParams& p, int64_t t, int lane,
                                             T* w_smem, float cache_scale) {
   // w_smem: the warp's stage, where the RMSNorm weight row lands.
@@ -109,11 +109,11 @@ __device__ __forceinline__ void k_side_item(const MlaRopeCacheKernelParams& p, i
   const bool neox = p.apply_rope && a.rope.style == RopeStyle::kNeox;
 
   // Every input of the token is requested before the first use: the slot, then the position
-  // (ahead of the rows: it heads the item's longest chain, position -> cos/sin -> cache entry, so
-  // its round trip overlaps the row loads), then the rows. The position is clamped (and counted,
-  // which keeps the compiler from hoisting later loads above the test) only after the rows are in
-  // flight; kTableFirst (large launches, mla_rope_cache.h kKTableFirstMinTokens): before the rows
-  // are requested, with the cos/sin entries.
+  // (ahead of the rows: it heads the item's longest chain, position -> cos/sin -> cache entry),
+  // then the rows. The position is clamped (and counted, which keeps the compiler from hoisting
+  // later loads above the test) and the cos/sin entries requested after the rows, so that the
+  // position's round trip overlaps the rows'; with kKTableFirst (large launches, mla_rope_cache.h
+  // kKTableFirstMinTokens) before them, so that the rows wait behind the position.
   const int64_t slot = load_index(a.slot_mapping, t);
   const int64_t raw_pos = p.apply_rope ? load_index(a.positions, t) : 0;
   uint32_t cs_in[kMaxRopePairsPerLane] = {};
@@ -130,7 +130,7 @@ __device__ __forceinline__ void k_side_item(const MlaRopeCacheKernelParams& p, i
       }
     }
   };
-  if (kTableFirst && p.apply_rope) request_table();
+  if (kKTableFirst && p.apply_rope) request_table();
   const T* kv_c = static_cast<const T*>(a.kv_c) + t * a.stride_kv_c_token;
   const T* weight = static_cast<const T*>(a.kv_norm_weight);
   // The rows stay in flight (vec.cuh ChunkInFlight) until every load of the item is issued.
@@ -157,7 +157,7 @@ __device__ __forceinline__ void k_side_item(const MlaRopeCacheKernelParams& p, i
                                              pair_second(neox, pr, half), !neox);
     }
   }
-  if (!kTableFirst && p.apply_rope) request_table();
+  if (!kKTableFirst && p.apply_rope) request_table();
 
   // After the loads are in flight: the scale's divisor (fp8 caches; unused and dropped otherwise),
   // then the rows split into elements.
@@ -682,8 +682,8 @@ void launch_mla_rope_cache_kernel(const MlaRopeCacheKernelParams& params, const 
   MLAKV_CHECK(params.num_items <= 0x7fffffff, "mla_rope_cache: ", params.num_items,
               " work items exceed one launch");
   const int64_t grid = (params.num_items + kMlaWarps - 1) / kMlaWarps;
-  // The K items' table-first order is compiled for the 16-byte path with a model-dtype q_out only
-  // (the workloads it was measured on, mla_rope_cache.h).
+  // The K items' table-first order is compiled for the 16-byte path with q_out of the model dtype
+  // or no q_out only (the workloads it was measured on, mla_rope_cache.h).
   if constexpr (kVec && std::is_same_v<QOut, T>) {
     if (params.k_table_first) {
       launch_kernel("mla_rope_cache_kernel", mla_rope_cache_kernel<T, kFormat, QOut, kVec, true>,
