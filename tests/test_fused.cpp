@@ -333,11 +333,12 @@ std::vector<FusedSpec> work_split_specs() {
   return out;
 }
 
-// Launches of T >= 2048 tokens, whose K items request their position and cos/sin before their
-// rows on the CUDA backend (src/cuda/mla_rope_cache.h kKTableFirstMinTokens; the 16-byte path with
-// a model-dtype q_out): mixed batches with RMSNorm over the cache formats, padding tokens, bad
-// positions (counted once per token in either order), a device Td, an fp16 model; and an e4m3
-// q_out, which keeps the rows-first order at every T.
+// Launches of at least 1280 tokens (src/cuda/mla_rope_cache.h kKTableFirstMinTokens), whose K
+// items request their position and cos/sin before their rows on the CUDA backend (the 16-byte path
+// with q_out of the model dtype or none): mixed batches with RMSNorm over the cache formats,
+// padding tokens and bad positions (counted once per token in either order), decode only at
+// exactly the threshold, a device Td, an fp16 model; and an e4m3 q_out, which keeps the
+// rows-first order at every T.
 std::vector<FusedSpec> large_launch_specs() {
   // DeepSeek-V3's widths on 2 heads: the K items are what the order changes.
   constexpr ModelShape kShape{"dsv3h2", 2, 512, 64, 128};
@@ -356,7 +357,7 @@ std::vector<FusedSpec> large_launch_specs() {
     s.bad_positions = 3;
     add(s, "large");
   }
-  FusedSpec s = base(kShape, kFormats[0], 2048, 2048);
+  FusedSpec s = base(kShape, kFormats[0], 1280, 1280);
   s.entry = Entry::kDecode;
   s.prefill_q = false;
   add(s, "large_decode");

@@ -25,11 +25,13 @@ constexpr int kMlaResidentWarpsPerSm = 24;
 // From this many tokens on, a launch's K items wait for their position and request its cos/sin
 // entries before their rows, instead of requesting the rows first and the cos/sin entries when the
 // position has arrived (the 16-byte path with q_out of the model dtype or no q_out; both orders
-// wait the same two round trips). On the H200 (docs/perf-notes.md, sixteenth session, run 52):
-// decode_nope_in_q_out T = 2048 25.3 -> 24.8 us, prefill T = 2048 25.3 -> 24.9 us, T = 4096-8192
-// within 0.6 % either way; run 50 found T = 512 no faster, and at T = 1-32 the rows' round trip
-// behind the position's lengthens the launch's longest chain (3-6 % slower, eleventh session).
-constexpr int64_t kKTableFirstMinTokens = 2048;
+// wait the same two round trips). On the H200 (docs/perf-notes.md, sixteenth session, runs
+// 52-56), table first: decode_nope_in_q_out T = 2048 25.3 -> 24.8 us, prefill T = 2048 25.3 ->
+// 24.9 us, T = 1280-1920 every row faster or equal (decode_nope_in_q_out and prefill up to 3 %),
+// T = 4096-8192 within 0.6 % either way; at T = 512 and 1024 1-3 % slower (not at 768: the gain
+// is not monotonic in T), and at T = 1-32 the rows' round trip behind the position's lengthens the
+// launch's longest chain (3-6 % slower, eleventh session).
+constexpr int64_t kKTableFirstMinTokens = 1280;
 
 // One streaming-copy work list of the fused kernel: the nope part of rows (t, h), flat row index
 // r = t * H + h in [row_begin, row_end). Item i moves up to 32 * slots chunks (8 elements each) of
