@@ -4,6 +4,7 @@
 
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "fused_problem.h"
@@ -125,15 +126,25 @@ std::vector<FusedSpec> dtype_style_specs() {
   return out;
 }
 
+// Collects specs, each named with a suffix after its base name and seeded from a first seed up.
+class SpecAdder {
+ public:
+  explicit SpecAdder(uint64_t first_seed) : seed_(first_seed) {}
+  void operator()(FusedSpec s, const std::string& suffix) {
+    s.name += "_" + suffix;
+    s.seed = seed_++;
+    specs_.push_back(std::move(s));
+  }
+  std::vector<FusedSpec> specs() && { return std::move(specs_); }
+
+ private:
+  uint64_t seed_;
+  std::vector<FusedSpec> specs_;
+};
+
 // q_out and entry-point variants.
 std::vector<FusedSpec> q_side_specs() {
-  std::vector<FusedSpec> out;
-  uint64_t seed = 400;
-  auto add = [&](FusedSpec s, const std::string& suffix) {
-    s.name += "_" + suffix;
-    s.seed = seed++;
-    out.push_back(s);
-  };
+  SpecAdder add(400);
   const FusedSpec b = base(kDeepSeekV3Tp8, kFormats[0], 33, 13);
   {
     FusedSpec s = b;
@@ -280,7 +291,7 @@ std::vector<FusedSpec> q_side_specs() {
     m.row_pad = 3;
     add(m, "large_mixed_padded");
   }
-  return out;
+  return std::move(add).specs();
 }
 
 // Shapes that reach every branch of the CUDA kernel's work split (mla_rope_cache.h CopyList): rows
@@ -342,13 +353,7 @@ std::vector<FusedSpec> work_split_specs() {
 std::vector<FusedSpec> large_launch_specs() {
   // DeepSeek-V3's widths on 2 heads: the K items are what the order changes.
   constexpr ModelShape kShape{"dsv3h2", 2, 512, 64, 128};
-  std::vector<FusedSpec> out;
-  uint64_t seed = 600;
-  auto add = [&](FusedSpec s, const std::string& suffix) {
-    s.name += "_" + suffix;
-    s.seed = seed++;
-    out.push_back(s);
-  };
+  SpecAdder add(600);
   for (const FormatCase& f : {kFormats[0], kFormats[3], kFormats[6]}) {
     FusedSpec s = base(kShape, f, 2050, 1000);
     s.norm = true;
@@ -375,7 +380,7 @@ std::vector<FusedSpec> large_launch_specs() {
   s.q_scale = 0.05f;
   s.norm = true;
   add(s, "large_qout_e4m3");
-  return out;
+  return std::move(add).specs();
 }
 
 using Param = std::tuple<Backend, FusedSpec>;
