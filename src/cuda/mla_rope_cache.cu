@@ -249,7 +249,6 @@ void run(const core::MlaRopeCacheArgs& a, bool apply_rope, const Context& ctx) {
   if (p.num_items <= 0) return;
   const Launch launch = launch_of(ctx);
   p.prefetch_params = launch.pdl;
-  p.k_table_first = apply_rope && p.num_k_items >= kKTableFirstMinTokens;
   MLAKV_MODEL_DTYPE_SWITCH(a.model_dtype, "kv_c", T, [&] { dispatch_format<T>(p, vec, launch); });
 }
 

@@ -84,9 +84,6 @@ struct MlaRopeCacheKernelParams {
   // Read every parameter line before the programmatic wait (a PDL launch, where that time is
   // hidden behind the previous kernel); otherwise each item reads only the lines it uses.
   bool prefetch_params = false;
-  // The K items request their position and cos/sin before their rows (kKTableFirstMinTokens);
-  // read by launch_mla_rope_cache_kernel, which picks the kernel compiled for that order.
-  bool k_table_first = false;
   int32_t* error_counts = nullptr;
 
   core::MlaRopeCacheArgs args;  // validated; the rope fields are unused when !apply_rope

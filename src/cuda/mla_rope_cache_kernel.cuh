@@ -682,10 +682,10 @@ void launch_mla_rope_cache_kernel(const MlaRopeCacheKernelParams& params, const 
   MLAKV_CHECK(params.num_items <= 0x7fffffff, "mla_rope_cache: ", params.num_items,
               " work items exceed one launch");
   const int64_t grid = (params.num_items + kMlaWarps - 1) / kMlaWarps;
-  // The K items' table-first order is compiled for the 16-byte path with q_out of the model dtype
-  // or no q_out only (the workloads it was measured on, mla_rope_cache.h).
+  // The K items' table-first order (mla_rope_cache.h kKTableFirstMinTokens) is compiled for the
+  // 16-byte path with q_out of the model dtype or no q_out only (the workloads it was measured on).
   if constexpr (kVec && std::is_same_v<QOut, T>) {
-    if (params.k_table_first) {
+    if (params.apply_rope && params.num_k_items >= kKTableFirstMinTokens) {
       launch_kernel("mla_rope_cache_kernel", mla_rope_cache_kernel<T, kFormat, QOut, kVec, true>,
                     static_cast<unsigned>(grid), kMlaThreads, 0, launch, params);
       return;
