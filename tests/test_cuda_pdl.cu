@@ -30,6 +30,7 @@
 #include <vector>
 
 #include "cuda/cuda_utils.h"
+#include "cuda_graph.h"
 #include "fused_problem.h"
 
 namespace mlakv {
@@ -180,48 +181,6 @@ class DelayedInputRunner {
   cudaStream_t stream_;
   std::unique_ptr<Buffer> staging_;                       // the delayed input's real bytes
   std::vector<std::unique_ptr<Buffer>> initial_outputs_;  // parallel to setup_.outputs
-};
-
-// A CUDA graph captured from what `enqueue` puts into the stream.
-class CapturedGraph {
- public:
-  CapturedGraph(cudaStream_t stream, const std::function<void()>& enqueue) {
-    MLAKV_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-    try {
-      enqueue();
-    } catch (...) {
-      cudaStreamEndCapture(stream, &graph_);  // leave the stream usable; the error is the throw
-      if (graph_ != nullptr) cudaGraphDestroy(graph_);
-      throw;
-    }
-    MLAKV_CUDA_CHECK(cudaStreamEndCapture(stream, &graph_));
-    MLAKV_CUDA_CHECK(cudaGraphInstantiate(&exec_, graph_, 0));
-  }
-  ~CapturedGraph() {
-    if (exec_ != nullptr) cudaGraphExecDestroy(exec_);
-    if (graph_ != nullptr) cudaGraphDestroy(graph_);
-  }
-  CapturedGraph(const CapturedGraph&) = delete;
-  CapturedGraph& operator=(const CapturedGraph&) = delete;
-
-  // Capture turns a PDL launch into a programmatic edge; a full edge instead would make the graph
-  // replays below pass whether the op waits or not.
-  int64_t num_programmatic_edges() const {
-    size_t num_edges = 0;
-    MLAKV_CUDA_CHECK(cudaGraphGetEdges(graph_, nullptr, nullptr, nullptr, &num_edges));
-    std::vector<cudaGraphNode_t> from(num_edges), to(num_edges);
-    std::vector<cudaGraphEdgeData> data(num_edges);
-    MLAKV_CUDA_CHECK(cudaGraphGetEdges(graph_, from.data(), to.data(), data.data(), &num_edges));
-    return std::count_if(data.begin(), data.end(), [](const cudaGraphEdgeData& e) {
-      return e.type == cudaGraphDependencyTypeProgrammatic;
-    });
-  }
-
-  void launch(cudaStream_t stream) const { MLAKV_CUDA_CHECK(cudaGraphLaunch(exec_, stream)); }
-
- private:
-  cudaGraph_t graph_ = nullptr;
-  cudaGraphExec_t exec_ = nullptr;
 };
 
 // ---- the cases ---------------------------------------------------------------------------------

@@ -9,6 +9,7 @@
 
 #include "common/fast_div.h"
 #include "core/args.h"
+#include "cuda/cuda_utils.h"
 #include "mlakv/cache.h"
 
 namespace mlakv {

@@ -1,0 +1,212 @@
+// mlakv tests (CUDA builds; skipped without a visible device): which kernel instance a launcher
+// chooses. The results of every instance are checked elsewhere (test_fused.cpp and
+// test_rmsnorm_quant.cpp, against the CPU backend and the reference); this checks the choice
+// itself, so that a launcher that silently stopped choosing an instance fails here instead of
+// passing with another instance's results. The op is captured into a CUDA graph (not run), and the
+// graph's kernel node names the instance.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <functional>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "cuda/cuda_utils.h"
+#include "cuda/mla_rope_cache.h"
+#include "cuda/rmsnorm_quant.h"
+#include "cuda_graph.h"
+#include "fused_problem.h"
+
+namespace mlakv {
+namespace test {
+namespace {
+
+class CudaKernelChoice : public testing::Test {
+ protected:
+  void SetUp() override {
+    int count = 0;
+    if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) GTEST_SKIP() << "no CUDA device";
+    ASSERT_EQ(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), cudaSuccess);
+  }
+  void TearDown() override {
+    if (stream_ != nullptr) cudaStreamDestroy(stream_);
+  }
+
+  // The demangled names of the kernels that `launch` enqueues.
+  std::vector<std::string> kernels_of(const std::function<void(const Context&)>& launch) const {
+    MLAKV_CUDA_CHECK(cudaDeviceSynchronize());  // the uploads, before the capture
+    Context ctx;
+    ctx.stream = stream_;
+    const CapturedGraph graph(stream_, [&] { launch(ctx); });
+    return graph.kernel_names();
+  }
+  std::vector<std::string> kernels_of(const FusedSpec& spec) const {
+    const FusedProblem problem(spec, device_);
+    return kernels_of([&](const Context& ctx) { problem.launch(ctx); });
+  }
+
+  const Device device_{DeviceType::kCUDA, 0};
+  cudaStream_t stream_ = nullptr;
+};
+
+// The kernel and its template arguments, without namespaces or parameters:
+// "void mlakv::cuda::rmsq::k<float, 2>(mlakv::cuda::P)" -> "k<float, 2>".
+std::string instance_of(const std::string& name) {
+  const size_t open = name.find('<');
+  const size_t close = name.find(">(");
+  if (open == std::string::npos || close == std::string::npos || close < open) return name;
+  const size_t scope = name.rfind("::", open);
+  const size_t begin = scope == std::string::npos ? 0 : scope + 2;
+  return name.substr(begin, close + 1 - begin);
+}
+
+// The last template argument of mla_rope_cache_kernel<T, kFormat, QOut, kVec, kKTableFirst>, as
+// the demangled name spells it ("true" / "false"), or "" if `name` is not that kernel.
+std::string k_table_first_argument(const std::string& name) {
+  const std::string kernel = "mla_rope_cache_kernel<";
+  const size_t begin = name.find(kernel);
+  const size_t end = name.find(">(");
+  if (begin == std::string::npos || end == std::string::npos || end < begin) return "";
+  const size_t comma = name.rfind(", ", end);
+  if (comma == std::string::npos || comma < begin) return "";
+  return name.substr(comma + 2, end - comma - 2);
+}
+
+// DeepSeek-V3's widths on 2 heads (the K items are what the order changes), a bf16 model and
+// cache.
+FusedSpec spec_of(const char* name, Entry entry, int64_t T, int64_t Td) {
+  FusedSpec s;
+  s.name = name;
+  s.shape = ModelShape{"dsv3h2", 2, 512, 64, 128};
+  s.entry = entry;
+  s.T = T;
+  s.Td = Td;
+  s.prefill_q = entry != Entry::kDecode;
+  return s;
+}
+
+struct ChoiceCase {
+  FusedSpec spec;
+  const char* table_first;  // the kernel's kKTableFirst argument
+};
+
+TEST_F(CudaKernelChoice, FusedKItemsTableFirstFromTheThreshold) {
+  constexpr int64_t kMin = cuda::kKTableFirstMinTokens;
+  std::vector<ChoiceCase> cases = {
+      {spec_of("decode_below", Entry::kDecode, kMin - 1, kMin - 1), "false"},
+      {spec_of("decode_at", Entry::kDecode, kMin, kMin), "true"},
+      {spec_of("mixed_above", Entry::kMixed, kMin + 769, 700), "true"},
+      {spec_of("small", Entry::kFused, 7, 3), "false"},
+  };
+  // Compiled for q_out of the model dtype only: an e4m3 q_out keeps the rows-first order.
+  FusedSpec fp8 = spec_of("qout_e4m3_above", Entry::kDecode, kMin + 769, kMin + 769);
+  fp8.q_out_dtype = DType::kFloat8E4M3;
+  fp8.q_scale = 0.05f;
+  cases.push_back({fp8, "false"});
+  for (const ChoiceCase& c : cases) {
+    SCOPED_TRACE(c.spec.name);
+    const std::vector<std::string> names = kernels_of(c.spec);
+    ASSERT_EQ(names.size(), 1u) << "expected one kernel, the fused one";
+    EXPECT_EQ(k_table_first_argument(names[0]), c.table_first) << names[0];
+  }
+}
+
+// rmsnorm_quant's exact-fit kernel in the thread form of the grid's size (cuda/rmsnorm_quant.h):
+// one chunk a thread while the whole grid is at most kRmsqOneChunkMaxBlocks blocks of two rows,
+// two up to kRmsqTwoChunksMaxBlocks of q_c's, then 64 threads; other widths take the generic
+// kernel.
+TEST_F(CudaKernelChoice, RmsNormQuantThreadForms) {
+  constexpr int64_t kOne = cuda::kRmsqOneChunkMaxBlocks * cuda::kRmsqRowsPerBlock;
+  constexpr int64_t kTwo = cuda::kRmsqTwoChunksMaxBlocks * cuda::kRmsqRowsPerBlock;
+  struct Case {
+    int64_t T, N;
+    const char* instance;
+  };
+  const Case cases[] = {
+      {1, 1536, "rmsnorm_quant_rows_kernel<mlakv::num::Bf16, 1536, 0, 192, 192>"},
+      {kOne, 1536, "rmsnorm_quant_rows_kernel<mlakv::num::Bf16, 1536, 0, 192, 192>"},
+      {kOne + 1, 1536, "rmsnorm_quant_rows_kernel<mlakv::num::Bf16, 1536, 0, 96, 96>"},
+      {kTwo, 1536, "rmsnorm_quant_rows_kernel<mlakv::num::Bf16, 1536, 0, 96, 96>"},
+      {kTwo + 1, 1536, "rmsnorm_quant_rows_kernel<mlakv::num::Bf16, 1536, 0, 64, 64>"},
+      {kOne, 512, "rmsnorm_quant_rows_kernel<mlakv::num::Bf16, 512, 0, 64, 64>"},
+      {kTwo + 1, 1024, "rmsnorm_quant_rows_kernel<mlakv::num::Bf16, 1024, 0, 64, 64>"},
+      {16, 7168, "rmsnorm_quant_kernel<mlakv::num::Bf16>"},
+  };
+  std::mt19937_64 rng(41);
+  for (const Case& c : cases) {
+    SCOPED_TRACE("T " + std::to_string(c.T) + ", N " + std::to_string(c.N));
+    const Tensor input = new_tensor(device_, DType::kBFloat16, {c.T, c.N});
+    const Tensor weight = random_tensor(device_, DType::kBFloat16, {c.N}, rng);
+    const Tensor values = new_tensor(device_, DType::kFloat8E4M3, {c.T, c.N});
+    const Tensor scales = new_tensor(device_, DType::kFloat32, {c.T, c.N / kDefaultQuantGroupSize});
+    RmsNormQuantParams p;
+    p.num_tokens = c.T;
+    p.input = input.device_view();
+    p.weight = weight.device_view();
+    p.quant.values = values.device_view();
+    p.quant.scales = scales.device_view();
+    const std::vector<std::string> names =
+        kernels_of([&](const Context& ctx) { rmsnorm_quant(p, ctx); });
+    ASSERT_EQ(names.size(), 1u);
+    EXPECT_EQ(instance_of(names[0]), c.instance) << names[0];
+  }
+}
+
+// The dual form (q_c 1536 + kv_c 512, bf16): the one-chunk instance bounded for
+// kRmsqDualOneChunkBlocksPerSm resident blocks while the whole grid fits them, the two-chunk form
+// while q_c has at most kRmsqDualTwoChunksMaxBlocks blocks, then the few-thread instance bounded
+// for kRmsqDualFewBlocksPerSm.
+TEST_F(CudaKernelChoice, MlaRmsNormQuantForms) {
+  const int64_t one_chunk_blocks =
+      std::max<int64_t>(cuda::kRmsqOneChunkMaxBlocks,
+                        int64_t{cuda::kRmsqDualOneChunkBlocksPerSm} * cuda::multiprocessor_count());
+  // Equal token counts: T blocks of two rows in all, half of them q_c's.
+  const int64_t one_chunk_T = one_chunk_blocks / 2 * cuda::kRmsqRowsPerBlock;
+  const int64_t two_chunks_T = cuda::kRmsqDualTwoChunksMaxBlocks * cuda::kRmsqRowsPerBlock;
+  ASSERT_LT(one_chunk_T, two_chunks_T) << "the cases below assume the forms in this order";
+  struct Case {
+    int64_t T;
+    const char* instance;
+  };
+  const Case cases[] = {
+      {1, "rmsnorm_quant_rows_kernel_bounded<mlakv::num::Bf16, 1536, 512, 192, 64>"},
+      {one_chunk_T, "rmsnorm_quant_rows_kernel_bounded<mlakv::num::Bf16, 1536, 512, 192, 64>"},
+      {one_chunk_T + 2 * cuda::kRmsqRowsPerBlock,
+       "rmsnorm_quant_rows_kernel<mlakv::num::Bf16, 1536, 512, 96, 64>"},
+      {two_chunks_T, "rmsnorm_quant_rows_kernel<mlakv::num::Bf16, 1536, 512, 96, 64>"},
+      {two_chunks_T + 1, "rmsnorm_quant_rows_kernel_bounded<mlakv::num::Bf16, 1536, 512, 64, 64>"},
+  };
+  constexpr int64_t kQ = 1536, kKv = 512;
+  std::mt19937_64 rng(42);
+  for (const Case& c : cases) {
+    SCOPED_TRACE("T " + std::to_string(c.T));
+    const Tensor q_c = new_tensor(device_, DType::kBFloat16, {c.T, kQ});
+    const Tensor q_weight = random_tensor(device_, DType::kBFloat16, {kQ}, rng);
+    const Tensor values = new_tensor(device_, DType::kFloat8E4M3, {c.T, kQ});
+    const Tensor scales = new_tensor(device_, DType::kFloat32, {c.T, kQ / kDefaultQuantGroupSize});
+    const Tensor kv_c = new_tensor(device_, DType::kBFloat16, {c.T, kKv});
+    const Tensor kv_weight = random_tensor(device_, DType::kBFloat16, {kKv}, rng);
+    const Tensor kv_normed = new_tensor(device_, DType::kBFloat16, {c.T, kKv});
+    MlaRmsNormQuantParams p;
+    p.q.num_tokens = c.T;
+    p.q.input = q_c.device_view();
+    p.q.weight = q_weight.device_view();
+    p.q.quant.values = values.device_view();
+    p.q.quant.scales = scales.device_view();
+    p.kv.num_tokens = c.T;
+    p.kv.input = kv_c.device_view();
+    p.kv.weight = kv_weight.device_view();
+    p.kv.output = kv_normed.device_view();
+    const std::vector<std::string> names =
+        kernels_of([&](const Context& ctx) { mla_rmsnorm_quant(p, ctx); });
+    ASSERT_EQ(names.size(), 1u);
+    EXPECT_EQ(instance_of(names[0]), c.instance) << names[0];
+  }
+}
+
+}  // namespace
+}  // namespace test
+}  // namespace mlakv
