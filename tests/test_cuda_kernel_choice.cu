@@ -24,6 +24,31 @@ namespace mlakv {
 namespace test {
 namespace {
 
+// The kernel and its template arguments, without namespaces or parameters:
+// "void mlakv::cuda::rmsq::k<float, 2>(mlakv::cuda::P)" -> "k<float, 2>".
+std::string instance_of(const std::string& name) {
+  const size_t open = name.find('<');
+  const size_t close = name.find(">(");
+  if (open == std::string::npos || close == std::string::npos || close < open) return name;
+  const size_t scope = name.rfind("::", open);
+  const size_t begin = scope == std::string::npos ? 0 : scope + 2;
+  return name.substr(begin, close + 1 - begin);
+}
+
+// Uninitialized e4m3 values [T, N] and fp32 scales [T, N / 128]: the graphs are captured, not run.
+struct QuantOut {
+  QuantOut(Device device, int64_t T, int64_t N)
+      : values(new_tensor(device, DType::kFloat8E4M3, {T, N})),
+        scales(new_tensor(device, DType::kFloat32, {T, N / kDefaultQuantGroupSize})) {}
+  Fp8GroupQuantOutput view() const {
+    Fp8GroupQuantOutput q;
+    q.values = values.device_view();
+    q.scales = scales.device_view();
+    return q;
+  }
+  Tensor values, scales;
+};
+
 class CudaKernelChoice : public testing::Test {
  protected:
   void SetUp() override {
@@ -43,6 +68,13 @@ class CudaKernelChoice : public testing::Test {
     const CapturedGraph graph(stream_, [&] { launch(ctx); });
     return graph.kernel_names();
   }
+  // Expects `launch` to enqueue one kernel, the instance `expected` (as instance_of spells it).
+  void expect_instance(const std::function<void(const Context&)>& launch,
+                       const std::string& expected) const {
+    const std::vector<std::string> names = kernels_of(launch);
+    ASSERT_EQ(names.size(), 1u);
+    EXPECT_EQ(instance_of(names[0]), expected) << names[0];
+  }
   std::vector<std::string> kernels_of(const FusedSpec& spec) const {
     const FusedProblem problem(spec, device_);
     return kernels_of([&](const Context& ctx) { problem.launch(ctx); });
@@ -51,17 +83,6 @@ class CudaKernelChoice : public testing::Test {
   const Device device_{DeviceType::kCUDA, 0};
   cudaStream_t stream_ = nullptr;
 };
-
-// The kernel and its template arguments, without namespaces or parameters:
-// "void mlakv::cuda::rmsq::k<float, 2>(mlakv::cuda::P)" -> "k<float, 2>".
-std::string instance_of(const std::string& name) {
-  const size_t open = name.find('<');
-  const size_t close = name.find(">(");
-  if (open == std::string::npos || close == std::string::npos || close < open) return name;
-  const size_t scope = name.rfind("::", open);
-  const size_t begin = scope == std::string::npos ? 0 : scope + 2;
-  return name.substr(begin, close + 1 - begin);
-}
 
 // The last template argument of mla_rope_cache_kernel<T, kFormat, QOut, kVec, kKTableFirst>, as
 // the demangled name spells it ("true" / "false"), or "" if `name` is not that kernel.
@@ -140,18 +161,13 @@ TEST_F(CudaKernelChoice, RmsNormQuantThreadForms) {
     SCOPED_TRACE("T " + std::to_string(c.T) + ", N " + std::to_string(c.N));
     const Tensor input = new_tensor(device_, DType::kBFloat16, {c.T, c.N});
     const Tensor weight = random_tensor(device_, DType::kBFloat16, {c.N}, rng);
-    const Tensor values = new_tensor(device_, DType::kFloat8E4M3, {c.T, c.N});
-    const Tensor scales = new_tensor(device_, DType::kFloat32, {c.T, c.N / kDefaultQuantGroupSize});
+    const QuantOut quant(device_, c.T, c.N);
     RmsNormQuantParams p;
     p.num_tokens = c.T;
     p.input = input.device_view();
     p.weight = weight.device_view();
-    p.quant.values = values.device_view();
-    p.quant.scales = scales.device_view();
-    const std::vector<std::string> names =
-        kernels_of([&](const Context& ctx) { rmsnorm_quant(p, ctx); });
-    ASSERT_EQ(names.size(), 1u);
-    EXPECT_EQ(instance_of(names[0]), c.instance) << names[0];
+    p.quant = quant.view();
+    expect_instance([&](const Context& ctx) { rmsnorm_quant(p, ctx); }, c.instance);
   }
 }
 
@@ -185,8 +201,7 @@ TEST_F(CudaKernelChoice, MlaRmsNormQuantForms) {
     SCOPED_TRACE("T " + std::to_string(c.T));
     const Tensor q_c = new_tensor(device_, DType::kBFloat16, {c.T, kQ});
     const Tensor q_weight = random_tensor(device_, DType::kBFloat16, {kQ}, rng);
-    const Tensor values = new_tensor(device_, DType::kFloat8E4M3, {c.T, kQ});
-    const Tensor scales = new_tensor(device_, DType::kFloat32, {c.T, kQ / kDefaultQuantGroupSize});
+    const QuantOut quant(device_, c.T, kQ);
     const Tensor kv_c = new_tensor(device_, DType::kBFloat16, {c.T, kKv});
     const Tensor kv_weight = random_tensor(device_, DType::kBFloat16, {kKv}, rng);
     const Tensor kv_normed = new_tensor(device_, DType::kBFloat16, {c.T, kKv});
@@ -194,16 +209,12 @@ TEST_F(CudaKernelChoice, MlaRmsNormQuantForms) {
     p.q.num_tokens = c.T;
     p.q.input = q_c.device_view();
     p.q.weight = q_weight.device_view();
-    p.q.quant.values = values.device_view();
-    p.q.quant.scales = scales.device_view();
+    p.q.quant = quant.view();
     p.kv.num_tokens = c.T;
     p.kv.input = kv_c.device_view();
     p.kv.weight = kv_weight.device_view();
     p.kv.output = kv_normed.device_view();
-    const std::vector<std::string> names =
-        kernels_of([&](const Context& ctx) { mla_rmsnorm_quant(p, ctx); });
-    ASSERT_EQ(names.size(), 1u);
-    EXPECT_EQ(instance_of(names[0]), c.instance) << names[0];
+    expect_instance([&](const Context& ctx) { mla_rmsnorm_quant(p, ctx); }, c.instance);
   }
 }
 
