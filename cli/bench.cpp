@@ -40,7 +40,6 @@ constexpr float kNormEps = 1e-6f;   // q/kv_a_layernorm's eps (DeepSeek-V3 rms_n
 // The DeepSeek-V3 YaRN table has 4096 * 40 positions; decode positions are spread over all of it.
 constexpr int64_t kMaxPos = 163840;
 constexpr float kFp8CacheScale = 0.0234375f;
-constexpr float kFp8QScale = 0.01953125f;
 constexpr int kMaxSets = 40;
 // The reference is a scalar host loop: check it against the fused op at small T only.
 constexpr int64_t kMaxReferenceTokens = 512;
@@ -393,7 +392,8 @@ class Row : public BenchRow {
     std::vector<uint8_t> k_pe_ref = in.host.k_pe;
     const std::vector<uint8_t> table_host = table_.download();
     const float cache_scale = kFp8CacheScale;
-    const float q_scale = kFp8QScale;
+    float q_scale = 1.0f;
+    std::memcpy(&q_scale, q_scale_.download().data(), sizeof(q_scale));
     MlaRopeCacheParams p = fused_params(in);
     const Device host{DeviceType::kCPU, 0};
     auto rebase = [&](TensorView& v, void* data) {
@@ -912,17 +912,17 @@ int run_bench(const BenchOptions& options) {
   Buffer cache_scale(device, sizeof(float));
   cache_scale.upload(&kFp8CacheScale, sizeof(float));
   Buffer q_scale(device, sizeof(float));
-  q_scale.upload(&kFp8QScale, sizeof(float));
+  q_scale.upload(&options.q_scale, sizeof(float));
   Buffer error_counts(device, kNumErrorCounters * sizeof(int32_t));
   reset_error_counts(error_counts.as<int32_t>(), device);
 
   std::printf("mlakv bench: %s\n", device_text.c_str());
   std::printf(
       "DeepSeek-V3: H %lld, L %lld, R %lld, P %lld, GPT-J RoPE (YaRN table, %lld "
-      "positions), bf16 model dtype, block size %lld, scattered slots\n",
+      "positions), bf16 model dtype, block size %lld, scattered slots, fp8 q_out scale %g\n",
       static_cast<long long>(kH), static_cast<long long>(kL), static_cast<long long>(kR),
       static_cast<long long>(kP), static_cast<long long>(kMaxPos),
-      static_cast<long long>(kBlockSize));
+      static_cast<long long>(kBlockSize), static_cast<double>(options.q_scale));
   if (roofline.kernel) {
     std::printf(
         "copy roofline %.1f GB/s (1 GiB, read + write: cudaMemcpyAsync D2D %.1f, a streaming "
@@ -1046,7 +1046,7 @@ int run_bench(const BenchOptions& options) {
           {"rope_style", "gptj"},
           {"max_pos", kMaxPos},
           {"fp8_cache_scale", kFp8CacheScale},
-          {"fp8_q_scale", kFp8QScale}}},
+          {"fp8_q_scale", options.q_scale}}},
         {"copy_roofline_gbps", roofline_gbps},
         {"copy_roofline_memcpy_gbps", copy_gbps(roofline_bytes, roofline.memcpy)},
         {"copy_roofline_kernel_gbps",

@@ -28,6 +28,7 @@ struct BenchOptions {
   std::string json_path;               // empty: no JSON
   bool skip_check = false;             // skip the correctness check before timing
   bool pdl = false;                    // CUDA: every timed op with programmatic dependent launch
+  float q_scale = 0.01953125f;         // the fp8 q_out workloads' q_scale (5 / 256)
 };
 // `mlakv bench`: DeepSeek-V3 shapes, fused op vs unfused primitives vs a copy of the same bytes.
 int run_bench(const BenchOptions& options);

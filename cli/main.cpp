@@ -57,6 +57,11 @@ int main(int argc, char** argv) {
   bench->add_flag("--pdl", bench_options.pdl,
                   "CUDA: launch every timed op (fused, unfused, the launch floor's kernel) with "
                   "programmatic dependent launch (Context::pdl)");
+  bench
+      ->add_option("--q-scale", bench_options.q_scale,
+                   "The fp8 q_out workloads' q_scale (the scale q_out is quantized by)")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
 
   CLI11_PARSE(app, argc, argv);
 

@@ -335,31 +335,39 @@ void check_fp8_conversion(const char* what) {
 }
 
 // Random bf16 chunks, some with a special value (0, -0, NaN, +-inf, a subnormal, 2^+-61, a huge
-// value, the fast range's bounds 2^+-60 and their bf16 neighbours outside it) at a random place, so
-// that both encode_chunk paths run and its range test is probed at its edges; every byte against
-// the host's num::quantize, for scales inside and outside the fast range.
+// value, the fast range's bounds 2^+-60 and their bf16 neighbours outside it) at a random place,
+// then every bf16 value, so that both encode_chunk paths run and its range test is probed at its
+// edges; every byte against the host's num::quantize, for scales inside and outside the fast
+// range, powers of two among them.
 template <typename Fp8>
 void check_encode_chunk(const char* what) {
   const float specials[] = {0.0f,      -0.0f,      std::nanf(""), INFINITY,   -INFINITY, 1e-39f,
                             0x1p61f,   -0x1p-61f,  3e38f,         0x1p-60f,   0x1p60f,   -0x1p60f,
                             -0x1p-60f, 0x1.02p60f, -0x1.02p60f,   0x1.fcp-61f};
-  const int64_t chunks = 1 << 16;
+  // Random chunks, then every bf16 value once (8192 chunks of consecutive bit patterns).
+  const int64_t random_chunks = 1 << 16;
+  const int64_t chunks = random_chunks + (1 << 16) / 8;
   std::mt19937 rng(11);
   std::normal_distribution<float> normal(0.0f, 3.0f);
   std::uniform_int_distribution<int> pick(0, 31);
   std::vector<num::Bf16> x(static_cast<size_t>(chunks) * 8);
-  for (int64_t c = 0; c < chunks; ++c) {
+  for (int64_t c = 0; c < random_chunks; ++c) {
     for (int e = 0; e < 8; ++e) x[c * 8 + e] = num::from_float<num::Bf16>(normal(rng));
     const int k = pick(rng);  // a special value in about half of the chunks
     if (k < static_cast<int>(std::size(specials))) {
       x[c * 8 + (pick(rng) % 8)] = num::from_float<num::Bf16>(specials[k]);
     }
   }
+  for (uint32_t bits = 0; bits < (1u << 16); ++bits) {
+    x[random_chunks * 8 + bits] = num::Bf16{static_cast<uint16_t>(bits)};
+  }
   DeviceArray<num::Bf16> dx(x.size());
   DeviceArray<uint8_t> dout(x.size());
   ASSERT_TRUE(dx.ptr && dout.ptr);
   TEST_CUDA_OK(cudaMemcpy(dx.ptr, x.data(), x.size() * sizeof(num::Bf16), cudaMemcpyHostToDevice));
-  for (const float scale : {1.0f, 0.037f, 448.0f, -2.5f, 0x1p-70f, 0x1p61f, 1e-40f}) {
+  // Powers of two among them, inside the fast range (its bounds included) and outside it.
+  for (const float scale : {1.0f, 0.037f, 448.0f, -2.5f, 0x1p-70f, 0x1p61f, 1e-40f, 0.25f,
+                            -0x1p-20f, 0x1p20f, 0x1p-60f, -0x1p60f, 0x1p-61f}) {
     const int threads = 256;
     encode_chunk_kernel<Fp8>
         <<<static_cast<unsigned>((chunks + threads - 1) / threads), threads, 0, cudaStream_t{}>>>(
