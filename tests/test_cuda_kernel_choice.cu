@@ -96,12 +96,11 @@ std::string k_table_first_argument(const std::string& name) {
   return name.substr(comma + 2, end - comma - 2);
 }
 
-// DeepSeek-V3's widths on 2 heads (the K items are what the order changes), a bf16 model and
-// cache.
+// kDeepSeekV3H2 (the K items are what the order changes), a bf16 model and cache.
 FusedSpec spec_of(const char* name, Entry entry, int64_t T, int64_t Td) {
   FusedSpec s;
   s.name = name;
-  s.shape = ModelShape{"dsv3h2", 2, 512, 64, 128};
+  s.shape = kDeepSeekV3H2;
   s.entry = entry;
   s.T = T;
   s.Td = Td;

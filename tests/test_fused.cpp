@@ -351,31 +351,29 @@ std::vector<FusedSpec> work_split_specs() {
 // exactly the threshold, a device Td, an fp16 model; and an e4m3 q_out, which keeps the
 // rows-first order at every T.
 std::vector<FusedSpec> large_launch_specs() {
-  // DeepSeek-V3's widths on 2 heads: the K items are what the order changes.
-  constexpr ModelShape kShape{"dsv3h2", 2, 512, 64, 128};
   SpecAdder add(600);
   for (const FormatCase& f : {kFormats[0], kFormats[3], kFormats[6]}) {
-    FusedSpec s = base(kShape, f, 2050, 1000);
+    FusedSpec s = base(kDeepSeekV3H2, f, 2050, 1000);
     s.norm = true;
     s.k_pe_out = s.kv_c_out = true;
     s.padding_every = 7;
     s.bad_positions = 3;
     add(s, "large");
   }
-  FusedSpec s = base(kShape, kFormats[0], 1280, 1280);
+  FusedSpec s = base(kDeepSeekV3H2, kFormats[0], 1280, 1280);
   s.entry = Entry::kDecode;
   s.prefill_q = false;
   add(s, "large_decode");
-  s = base(kShape, kFormats[0], 2049, 700);
+  s = base(kDeepSeekV3H2, kFormats[0], 2049, 700);
   s.device_td = true;
   s.device_td_value = 700;
   s.prefill_out = true;
   add(s, "large_devtd");
-  s = base(kShape, kFormats[1], 2049, 300);
+  s = base(kDeepSeekV3H2, kFormats[1], 2049, 300);
   s.model = DType::kFloat16;
   s.norm = true;
   add(s, "large_fp16");
-  s = base(kShape, kFormats[3], 2049, 2049);
+  s = base(kDeepSeekV3H2, kFormats[3], 2049, 2049);
   s.q_out_dtype = DType::kFloat8E4M3;
   s.q_scale = 0.05f;
   s.norm = true;
