@@ -84,16 +84,19 @@ class CudaKernelChoice : public testing::Test {
   cudaStream_t stream_ = nullptr;
 };
 
-// The last template argument of mla_rope_cache_kernel<T, kFormat, QOut, kVec, kKTableFirst>, as
-// the demangled name spells it ("true" / "false"), or "" if `name` is not that kernel.
-std::string k_table_first_argument(const std::string& name) {
+// The last two template arguments of mla_rope_cache_kernel<T, kFormat, QOut, kVec, kKTableFirst,
+// kRopeInCopy>, as the demangled name spells them ("true, false"), or "" if `name` is not that
+// kernel.
+std::string fused_flags(const std::string& name) {
   const std::string kernel = "mla_rope_cache_kernel<";
   const size_t begin = name.find(kernel);
   const size_t end = name.find(">(");
   if (begin == std::string::npos || end == std::string::npos || end < begin) return "";
-  const size_t comma = name.rfind(", ", end);
-  if (comma == std::string::npos || comma < begin) return "";
-  return name.substr(comma + 2, end - comma - 2);
+  const size_t last = name.rfind(", ", end);
+  if (last == std::string::npos || last < begin) return "";
+  const size_t first = name.rfind(", ", last - 1);
+  if (first == std::string::npos || first < begin) return "";
+  return name.substr(first + 2, end - first - 2);
 }
 
 // kDeepSeekV3H2 (the K items are what the order changes), a bf16 model and cache.
@@ -110,28 +113,77 @@ FusedSpec spec_of(const char* name, Entry entry, int64_t T, int64_t Td) {
 
 struct ChoiceCase {
   FusedSpec spec;
-  const char* table_first;  // the kernel's kKTableFirst argument
+  const char* flags;  // the kernel's kKTableFirst and kRopeInCopy arguments
 };
 
-TEST_F(CudaKernelChoice, FusedKItemsTableFirstFromTheThreshold) {
+class CudaFusedKernelChoice : public CudaKernelChoice {
+ protected:
+  void expect_flags(const std::vector<ChoiceCase>& cases) const {
+    for (const ChoiceCase& c : cases) {
+      SCOPED_TRACE(c.spec.name);
+      const std::vector<std::string> names = kernels_of(c.spec);
+      ASSERT_EQ(names.size(), 1u) << "expected one kernel, the fused one";
+      EXPECT_EQ(fused_flags(names[0]), c.flags) << names[0];
+    }
+  }
+};
+
+// (The decode rows of these launches with a bf16 q_out take the kRopeInCopy instance from
+// kRopeInCopyMinTokens on.)
+TEST_F(CudaFusedKernelChoice, KItemsTableFirstFromTheThreshold) {
   constexpr int64_t kMin = cuda::kKTableFirstMinTokens;
+  static_assert(kMin > cuda::kRopeInCopyMinTokens);
   std::vector<ChoiceCase> cases = {
-      {spec_of("decode_below", Entry::kDecode, kMin - 1, kMin - 1), "false"},
-      {spec_of("decode_at", Entry::kDecode, kMin, kMin), "true"},
-      {spec_of("mixed_above", Entry::kMixed, kMin + 769, 700), "true"},
-      {spec_of("small", Entry::kFused, 7, 3), "false"},
+      {spec_of("decode_below", Entry::kDecode, kMin - 1, kMin - 1), "false, true"},
+      {spec_of("decode_at", Entry::kDecode, kMin, kMin), "true, true"},
+      {spec_of("mixed_above", Entry::kMixed, kMin + 769, 700), "true, true"},
+      {spec_of("small", Entry::kFused, 7, 3), "false, false"},
   };
   // Compiled for q_out of the model dtype only: an e4m3 q_out keeps the rows-first order.
   FusedSpec fp8 = spec_of("qout_e4m3_above", Entry::kDecode, kMin + 769, kMin + 769);
   fp8.q_out_dtype = DType::kFloat8E4M3;
   fp8.q_scale = 0.05f;
-  cases.push_back({fp8, "false"});
-  for (const ChoiceCase& c : cases) {
-    SCOPED_TRACE(c.spec.name);
-    const std::vector<std::string> names = kernels_of(c.spec);
-    ASSERT_EQ(names.size(), 1u) << "expected one kernel, the fused one";
-    EXPECT_EQ(k_table_first_argument(names[0]), c.table_first) << names[0];
-  }
+  cases.push_back({fp8, "false, false"});
+  expect_flags(cases);
+}
+
+// The decode rows' rope parts in the copy items (cuda/mla_rope_cache.h kRopeInCopyMinTokens): from
+// that many decode tokens (a device Td: tokens) on, with q_out of the model dtype, for chunked
+// rope items (GPT-J) whose copy items leave a stage slot free.
+TEST_F(CudaFusedKernelChoice, RopeInCopyFromTheThreshold) {
+  constexpr int64_t kMin = cuda::kRopeInCopyMinTokens;
+  std::vector<ChoiceCase> cases = {
+      {spec_of("decode_below", Entry::kDecode, kMin - 1, kMin - 1), "false, false"},
+      {spec_of("decode_at", Entry::kDecode, kMin, kMin), "false, true"},
+      {spec_of("mixed_decode_below", Entry::kMixed, kMin + 100, kMin - 1), "false, false"},
+      {spec_of("mixed_decode_at", Entry::kMixed, kMin + 100, kMin), "false, true"},
+  };
+  // A device Td counts every token: the decode rows are known only on the device.
+  FusedSpec dev = spec_of("device_td_below", Entry::kFused, kMin - 1, 0);
+  dev.device_td = true;
+  dev.device_td_value = 5;
+  cases.push_back({dev, "false, false"});
+  dev.name = "device_td_at";
+  dev.T = kMin;
+  cases.push_back({dev, "false, true"});
+  // Not for an fp8 q_out.
+  FusedSpec fp8 = spec_of("qout_e4m3_at", Entry::kDecode, kMin, kMin);
+  fp8.q_out_dtype = DType::kFloat8E4M3;
+  fp8.q_scale = 0.05f;
+  cases.push_back({fp8, "false, false"});
+  // NeoX rope items are not chunked.
+  FusedSpec neox = spec_of("neox_at", Entry::kDecode, kMin, kMin);
+  neox.style = RopeStyle::kNeox;
+  cases.push_back({neox, "false, false"});
+  // fp32 rows: 16 heads' copy items of 8 slots fill the stage (H = 2: a free slot).
+  FusedSpec fp32 = spec_of("fp32_h16_at", Entry::kDecode, kMin, kMin);
+  fp32.shape = kDeepSeekV3Tp8;
+  fp32.model = DType::kFloat32;
+  cases.push_back({fp32, "false, false"});
+  fp32.name = "fp32_h2_at";
+  fp32.shape = kDeepSeekV3H2;
+  cases.push_back({fp32, "false, true"});
+  expect_flags(cases);
 }
 
 // rmsnorm_quant's exact-fit kernel in the thread form of the grid's size (cuda/rmsnorm_quant.h):

@@ -109,16 +109,12 @@ __global__ void rotate_chunk_kernel(const T* x, const float* cs, const float* sn
   cuda::Chunk<T> m;
   for (int e = 0; e < cuda::kChunkElems; ++e) m.v[e] = x[i * cuda::kChunkElems + e];
   float c[4], s[4];
-  bool finite = true;
   for (int j = 0; j < 4; ++j) {
     c[j] = cs[4 * i + j];
     s[j] = sn[4 * i + j];
-    finite &= isfinite(c[j]) && isfinite(s[j]);
   }
-  // As the fused kernel chooses: the hardware rounding when everything is finite.
-  const cuda::Chunk<T> r = finite && cuda::chunk_finite(m)
-                               ? cuda::rotate_chunk<cuda::ChunkRounding::kHardware>(m, c, s)
-                               : cuda::rotate_chunk<cuda::ChunkRounding::kPairwise>(m, c, s);
+  // The fused kernel's choice (the hardware rounding when everything is finite).
+  const cuda::Chunk<T> r = cuda::rotate_chunk_checked(m, c, s);
   for (int e = 0; e < cuda::kChunkElems; ++e) out[i * cuda::kChunkElems + e] = r.v[e];
 }
 

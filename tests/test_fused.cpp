@@ -364,6 +364,22 @@ std::vector<FusedSpec> large_launch_specs() {
   s.entry = Entry::kDecode;
   s.prefill_q = false;
   add(s, "large_decode");
+  // The decode rows' rope parts in the copy items (CUDA: from 512 decode tokens, q_out of the
+  // model dtype): 1 row an item (large_decode), 4 (large_tp8, q_pe in a head-major buffer), one
+  // of a row's two segments (large_seg, fp16), fp32 rows (large_fp32), the decode side of a device
+  // Td (large_devtd), a mixed batch (large).
+  s = base(kDeepSeekV3Tp8, kFormats[0], 520, 520);
+  s.entry = Entry::kDecode;
+  s.prefill_q = false;
+  s.q_pe_head_major = true;
+  add(s, "large_tp8");
+  s = base(kDeepSeekV3H2, kFormats[0], 600, 600);
+  s.entry = Entry::kDecode;
+  s.prefill_q = false;
+  s.model = DType::kFloat16;
+  add(s, "large_seg");
+  s.model = DType::kFloat32;
+  add(s, "large_fp32");
   s = base(kDeepSeekV3H2, kFormats[0], 2049, 700);
   s.device_td = true;
   s.device_td_value = 700;

@@ -439,6 +439,20 @@ __device__ __forceinline__ Chunk<T> rotate_chunk(const Chunk<T>& m, const float 
   }
 }
 
+// rotate_chunk of one chunk by the hardware rounding where it applies (16-bit chunks whose elements
+// and cos/sin are all finite), else by rotate_pair's: the same bits either way.
+template <typename T>
+__device__ __forceinline__ Chunk<T> rotate_chunk_checked(const Chunk<T>& m, const float (&c)[4],
+                                                         const float (&s)[4]) {
+  if constexpr (kHardwareRounding<T>) {
+    bool finite = chunk_finite(m);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) finite &= isfinite(c[j]) && isfinite(s[j]);
+    if (finite) return rotate_chunk<ChunkRounding::kHardware>(m, c, s);
+  }
+  return rotate_chunk<ChunkRounding::kPairwise>(m, c, s);
+}
+
 template <typename Dst, typename T>
 __device__ __forceinline__ Pair<Dst> encode_pair(const Pair<T>& m, const Divisor& scale) {
   if constexpr (kIsFp8<Dst> && !std::is_same_v<Dst, T>) {

@@ -121,8 +121,23 @@ MlaRopeCacheKernelParams make_params(const core::MlaRopeCacheArgs& a, bool apply
   const int64_t cph = a.rope_dim / 8;
   p.rope_chunked = vec && (!apply_rope || a.rope.style == RopeStyle::kGptJ) &&
                    a.rope_dim % 8 == 0 && cph > 0 && 32 % cph == 0;
-  const bool has_rope = (has_decode || has_prefill) && half > 0;
-  p.rope_token_begin = has_decode ? 0 : prefill_begin;
+  if (has_decode && a.copy_nope && a.ql_nope != nullptr) {
+    p.decode_copy = make_copy_list(a.ql_nope, a.stride_ql_nope_token, a.stride_ql_nope_head,
+                                   a.q_out, a.stride_q_out_token, a.stride_q_out_head, 0,
+                                   decode_end, H, a.kv_lora_rank, item_slots, wave_warps);
+  }
+  // The decode rows' rope parts go with their nope parts (mla_rope_cache.h
+  // kRopeInCopyMinTokens) when q_out has the model dtype, a copy item's rows have at most one rope
+  // chunk a lane and the stage has a slot left for it.
+  const CopyList& dc = p.decode_copy;
+  p.decode_rope_in_copy = p.rope_chunked && half > 0 && decode_end >= kRopeInCopyMinTokens &&
+                          a.q_out_dtype == a.model_dtype && dc.num_items > 0 &&
+                          dc.slots < stage_slots(elem_bytes) &&
+                          (dc.segment_div.divisor > 1 || int64_t{dc.rows_per_item} * cph <= 32);
+  p.head_div = FastDiv(static_cast<uint32_t>(std::max<int64_t>(H, 1)));
+  const bool rope_decode = has_decode && !p.decode_rope_in_copy;
+  const bool has_rope = (rope_decode || has_prefill) && half > 0;
+  p.rope_token_begin = rope_decode ? 0 : prefill_begin;
   const int64_t rope_tokens = has_rope ? (has_prefill ? T : decode_end) - p.rope_token_begin : 0;
   if (p.rope_chunked) {
     // Whole slots of 32 / cph heads, no more slots than the heads need (H = 8: 2 of them).
@@ -139,11 +154,6 @@ MlaRopeCacheKernelParams make_params(const core::MlaRopeCacheArgs& a, bool apply
   const int64_t rope_groups_per_token = H > 0 ? ceil_div(H, p.rope_heads_per_item) : 1;
   p.rope_group_div = FastDiv(static_cast<uint32_t>(rope_groups_per_token));
   p.num_rope_items = rope_tokens * rope_groups_per_token;
-  if (has_decode && a.copy_nope && a.ql_nope != nullptr) {
-    p.decode_copy = make_copy_list(a.ql_nope, a.stride_ql_nope_token, a.stride_ql_nope_head,
-                                   a.q_out, a.stride_q_out_token, a.stride_q_out_head, 0,
-                                   decode_end, H, a.kv_lora_rank, item_slots, wave_warps);
-  }
   if (has_prefill && a.q_prefill_out != nullptr) {
     p.prefill_copy = make_copy_list(a.q, a.stride_q_token, a.stride_q_head, a.q_prefill_out,
                                     a.stride_q_prefill_out_token, a.stride_q_prefill_out_head,

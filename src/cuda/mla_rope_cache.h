@@ -34,6 +34,18 @@ constexpr int kMlaResidentWarpsPerSm = 24;
 // launch's longest chain (3-6 % slower, eleventh session).
 constexpr int64_t kKTableFirstMinTokens = 1280;
 
+// From this many decode tokens on (a device Td: tokens), with q_out of the model dtype, the decode
+// copy's items also rotate their rows' rope parts (q_pe -> q_out[t, h, L:]) instead of the rope
+// items, so that each q_out row is written whole by one warp: the rope items write 128 of every
+// 1152 bytes (bf16), a pattern that by itself runs below a copy. Each copy item then also waits for
+// its token's position and then its cos/sin columns, a round trip more than its own rows, which
+// costs more than it saves until the launch is many waves long. On the H200 (docs/perf-notes.md,
+// eighteenth session, runs 70-72): decode_bf16 T = 512 / 1024 / 2048 / 8192 41.3 / 79.9 / 156.2 /
+// 612.8 -> 40.7 / 77.6 / 151.7 / 596.4 us, mixed_bf16 T = 4096 / 16384 1.8-1.9 % faster, T = 384
+// even, T = 128-256 up to 6 % slower. With an fp8 q_out it was slower (decode_fp8 T = 512 33.4 ->
+// 34.3 us) and is not compiled.
+constexpr int64_t kRopeInCopyMinTokens = 512;
+
 // One streaming-copy work list of the fused kernel: the nope part of rows (t, h), flat row index
 // r = t * H + h in [row_begin, row_end). Item i moves up to 32 * slots chunks (8 elements each) of
 // whole rows (segments_per_row == 1: rows_per_item rows from row_begin + i * rows_per_item) or one
@@ -90,6 +102,11 @@ struct MlaRopeCacheKernelParams {
   core::MlaRopeCacheArgs args;  // validated; the rope fields are unused when !apply_rope
   CopyList decode_copy;         // ql_nope -> q_out nope part, rows t < Td
   CopyList prefill_copy;        // q nope part -> q_prefill_out, rows t >= Td
+  // The decode copy's items also rotate their rows' rope parts (kRopeInCopyMinTokens; the kernel's
+  // kRopeInCopy instance), and the rope items skip the decode tokens (with a host Td there are
+  // none). head_div divides a row index by H. Last, so that the other fields keep their lines.
+  bool decode_rope_in_copy = false;
+  FastDiv head_div;
 };
 
 // The kernel for model type T, cache format kFormat, q_out element type QOut and the vector-access

@@ -41,6 +41,11 @@
 //                                = 4 KB an item, 8 chunks a lane), all staged in the warp's shared
 //                                memory by cp.async before the first is converted and stored: a
 //                                pure streaming copy with 4 KB a warp in flight and few registers.
+//                                kRopeInCopy (large decode launches, mla_rope_cache.h
+//                                kRopeInCopyMinTokens): the item also rotates its rows' rope parts
+//                                (lane l: chunk l % (R / 8) of row l / (R / 8), staged in the slot
+//                                after the nope chunks), and the rope items leave the decode rows
+//                                alone, so that each q_out row is written whole by one warp.
 //   then prefill copy items    q[t, h, :P] -> q_prefill_out[t, h, :P], rows t >= Td, same mapping
 //                                (rows longer than an item are cut into segments).
 //
@@ -403,7 +408,7 @@ __device__ __forceinline__ void rope_item(const MlaRopeCacheKernelParams& p, int
 // first, then every slot at once into the warp's stage (cp.async: no registers held while they
 // fly, up to 64 heads of bf16 at R = 64), then the cos/sin columns are read, then each slot is
 // rotated and stored. Every element gets exactly rotate_pair / encode_pair's operations.
-template <typename T, typename QOut>
+template <typename T, typename QOut, bool kRopeInCopy>
 __device__ __forceinline__ void rope_item_chunked(const MlaRopeCacheKernelParams& p, int64_t i,
                                                   int64_t td, float q_scale, int lane,
                                                   Chunk<T>* stage) {
@@ -412,7 +417,8 @@ __device__ __forceinline__ void rope_item_chunked(const MlaRopeCacheKernelParams
   const RopeItemPlace place = rope_item_place(p, i, td);
   const int64_t t = place.t, h0 = place.h0;
   const bool decode = place.decode;
-  if (decode ? a.q_out == nullptr : a.q == nullptr) return;
+  // kRopeInCopy: the decode copy items rotate the decode rows (a device Td leaves such items).
+  if (decode ? a.q_out == nullptr || kRopeInCopy : a.q == nullptr) return;
   const int64_t H = a.num_heads;
   const int half = static_cast<int>(a.rope_dim / 2);
   const int cph = static_cast<int>(a.rope_dim / kChunkElems);
@@ -503,9 +509,10 @@ __device__ __forceinline__ void stage_chunk(Chunk<T>* slot, const T* src, int n)
 // decode rows (t < Td, i.e. r < Td * H) or the prefill rows. Lane l stages the item's chunks l,
 // l + 32, ... (up to c.slots of them) into the warp's stage, all in flight together, then
 // converts and stores them.
-template <typename T, typename Dst, bool kVec>
-__device__ __forceinline__ void copy_item(const CopyList& c, int64_t i, bool decode, int64_t td,
-                                          int64_t H, float scale, int lane, Chunk<T>* stage) {
+template <typename T, typename Dst, bool kVec, bool kRope>
+__device__ __forceinline__ void copy_item(const MlaRopeCacheKernelParams& p, const CopyList& c,
+                                          int64_t i, bool decode, int64_t td, int64_t H,
+                                          float scale, int lane, Chunk<T>* stage) {
   // The list's FastDivs (the launcher keeps item and row counts below 2^31; see
   // rope_item_place).
   int64_t r0 = c.row_begin + i * c.rows_per_item;
@@ -538,6 +545,31 @@ __device__ __forceinline__ void copy_item(const CopyList& c, int64_t i, bool dec
   // runs the same loop without the side test and the h bookkeeping: the same chunks and offsets.
   const bool simple =
       c.src_token_jump == 0 && c.dst_token_jump == 0 && (decode ? r0 + rows <= split : r0 >= split);
+
+  // kRope (p.decode_rope_in_copy): the item also rotates its rows' rope parts, q_pe -> q_out[t, h,
+  // L:], so that each q_out row is written whole by one warp. Lane l takes chunk l % cph of the
+  // item's row l / cph (a segment item: of its row when it is the row's first segment); its
+  // position is requested first (position -> cos/sin -> store is the item's longest chain), its
+  // q_pe chunk staged behind the nope chunks, its cos/sin columns requested once the position
+  // has arrived, and the chunk rotated and stored after the nope part.
+  [[maybe_unused]] const core::MlaRopeCacheArgs& a = p.args;
+  [[maybe_unused]] bool rope_lane = false;
+  [[maybe_unused]] int64_t rope_t = 0, rope_h = 0, raw_pos = 0;
+  [[maybe_unused]] int rope_c = 0;
+  if constexpr (kRope) {
+    const int cph = static_cast<int>(a.rope_dim / kChunkElems);
+    const int j = lane / cph;
+    rope_c = lane - j * cph;
+    const int item_rows = c.segment_div.divisor > 1 ? (k0 == 0 ? 1 : 0) : rows;
+    const int64_t r = r0 + j;
+    if (j < item_rows && r < split) {
+      rope_lane = true;
+      const uint32_t tok = p.head_div.div(static_cast<uint32_t>(r));
+      rope_t = tok;
+      rope_h = r - int64_t{tok} * H;
+      if (p.apply_rope) raw_pos = load_index(a.positions, rope_t);
+    }
+  }
   auto run = [&](auto simple_tag) {
     constexpr bool kSimple = decltype(simple_tag)::value;
     auto for_each_chunk = [&](int64_t stride_token, int64_t stride_head, const int64_t(&step)[2],
@@ -576,10 +608,28 @@ __device__ __forceinline__ void copy_item(const CopyList& c, int64_t i, bool dec
                    [&](int s, int64_t off, int k) {
                      stage_chunk<kVec>(stage + s * kWarpSize + lane, src + off, chunk_elems(k));
                    });
-    if constexpr (kVec) {
-      cp_async_commit();
-      cp_async_wait_all();  // this lane's own chunks have landed
+    [[maybe_unused]] uint32_t cs_in[kChunkElems / 2] = {};
+    [[maybe_unused]] uint32_t sn_in[kChunkElems / 2] = {};
+    if constexpr (kRope) {
+      if (rope_lane) {
+        copy_chunk_async(stage[c.slots * kWarpSize + lane].v,
+                         rope_src<T>(a, true, rope_t, rope_h) + rope_c * kChunkElems);
+      }
     }
+    if constexpr (kVec) cp_async_commit();
+    if constexpr (kRope) {
+      if (rope_lane && p.apply_rope) {
+        // Bad positions are counted once per token, by its K item.
+        const int64_t pos = clamp_position(raw_pos, a.rope.max_pos, nullptr);
+        const int half = static_cast<int>(a.rope_dim / 2);
+#pragma unroll
+        for (int j = 0; j < kChunkElems / 2; ++j) {
+          cs_in[j] = start_load_table(a.rope, pos, rope_c * (kChunkElems / 2) + j);
+          sn_in[j] = start_load_table(a.rope, pos, half + rope_c * (kChunkElems / 2) + j);
+        }
+      }
+    }
+    if constexpr (kVec) cp_async_wait_all();  // this lane's own chunks have landed
     const Divisor div = make_divisor(scale);  // fp8 destinations only
     Dst* dst = static_cast<Dst*>(c.dst);
     for_each_chunk(c.stride_dst_token, c.stride_dst_head, c.dst_step, c.dst_token_jump,
@@ -588,6 +638,17 @@ __device__ __forceinline__ void copy_item(const CopyList& c, int64_t i, bool dec
                                        encode_chunk<Dst>(stage[s * kWarpSize + lane], div),
                                        chunk_elems(k));
                    });
+    if constexpr (kRope) {
+      if (rope_lane) {
+        float cs[kChunkElems / 2], sn[kChunkElems / 2];
+        table_values(a.rope, cs_in, cs);
+        table_values(a.rope, sn_in, sn);
+        Chunk<T> m = stage[c.slots * kWarpSize + lane];
+        if (p.apply_rope) m = rotate_chunk_checked(m, cs, sn);
+        store_chunk<true>(rope_dst<Dst>(a, true, rope_t, rope_h) + rope_c * kChunkElems,
+                          encode_chunk<Dst>(m, div), kChunkElems);
+      }
+    }
   };
   if (simple) {
     run(std::true_type{});
@@ -608,8 +669,11 @@ static_assert(kMlaMinBlocks<num::Bf16, CacheFormat::kBFloat16, num::Bf16, true> 
                   kMlaResidentWarpsPerSm,
               "kMlaResidentWarpsPerSm: the resident warps of the 16-bit vector instances");
 
-// kKTableFirst: the K items' order of large launches (k_side_item).
-template <typename T, CacheFormat kFormat, typename QOut, bool kVec, bool kKTableFirst>
+// kKTableFirst: the K items' order of large launches (k_side_item). kRopeInCopy (16-byte path,
+// q_out of the model dtype): the decode copy items also rotate their rows' rope parts
+// (p.decode_rope_in_copy, copy_item).
+template <typename T, CacheFormat kFormat, typename QOut, bool kVec, bool kKTableFirst,
+          bool kRopeInCopy>
 __global__ void __launch_bounds__(kMlaThreads, (kMlaMinBlocks<T, kFormat, QOut, kVec>))
     mla_rope_cache_kernel(const __grid_constant__ MlaRopeCacheKernelParams p) {
   // Each warp's stage: its K item's RMSNorm weight, or the chunks of its rope or copy item.
@@ -658,7 +722,7 @@ __global__ void __launch_bounds__(kMlaThreads, (kMlaMinBlocks<T, kFormat, QOut, 
   if (i < p.num_rope_items) {
     if constexpr (kVec) {
       if (p.rope_chunked) {
-        mla_detail::rope_item_chunked<T, QOut>(p, i, td, q_scale, lane, stage);
+        mla_detail::rope_item_chunked<T, QOut, kRopeInCopy>(p, i, td, q_scale, lane, stage);
         return;
       }
     }
@@ -667,12 +731,13 @@ __global__ void __launch_bounds__(kMlaThreads, (kMlaMinBlocks<T, kFormat, QOut, 
   }
   i -= p.num_rope_items;
   if (i < p.decode_copy.num_items) {
-    mla_detail::copy_item<T, QOut, kVec>(p.decode_copy, i, true, td, a.num_heads, q_scale, lane,
-                                         stage);
+    mla_detail::copy_item<T, QOut, kVec, kRopeInCopy>(p, p.decode_copy, i, true, td, a.num_heads,
+                                                      q_scale, lane, stage);
     return;
   }
   i -= p.decode_copy.num_items;
-  mla_detail::copy_item<T, T, kVec>(p.prefill_copy, i, false, td, a.num_heads, 1.0f, lane, stage);
+  mla_detail::copy_item<T, T, kVec, false>(p, p.prefill_copy, i, false, td, a.num_heads, 1.0f, lane,
+                                           stage);
 }
 
 template <typename T, CacheFormat kFormat, typename QOut, bool kVec>
@@ -682,17 +747,32 @@ void launch_mla_rope_cache_kernel(const MlaRopeCacheKernelParams& params, const 
   MLAKV_CHECK(params.num_items <= 0x7fffffff, "mla_rope_cache: ", params.num_items,
               " work items exceed one launch");
   const int64_t grid = (params.num_items + kMlaWarps - 1) / kMlaWarps;
+  // Each choice is its own kernel, so that the others keep their registers and schedule. The rope
+  // parts in the copy items (mla_rope_cache.h kRopeInCopyMinTokens) are compiled for the 16-byte
+  // path with q_out of the model dtype only (an fp8 q_out was measured slower with them).
+  auto go = [&](auto table_first_tag) {
+    constexpr bool kTableFirst = decltype(table_first_tag)::value;
+    if constexpr (kVec && std::is_same_v<QOut, T>) {
+      if (params.decode_rope_in_copy) {
+        launch_kernel("mla_rope_cache_kernel",
+                      mla_rope_cache_kernel<T, kFormat, QOut, kVec, kTableFirst, true>,
+                      static_cast<unsigned>(grid), kMlaThreads, 0, launch, params);
+        return;
+      }
+    }
+    launch_kernel("mla_rope_cache_kernel",
+                  mla_rope_cache_kernel<T, kFormat, QOut, kVec, kTableFirst, false>,
+                  static_cast<unsigned>(grid), kMlaThreads, 0, launch, params);
+  };
   // The K items' table-first order (mla_rope_cache.h kKTableFirstMinTokens) is compiled for the
   // 16-byte path with q_out of the model dtype or no q_out only (the workloads it was measured on).
   if constexpr (kVec && std::is_same_v<QOut, T>) {
     if (params.apply_rope && params.num_k_items >= kKTableFirstMinTokens) {
-      launch_kernel("mla_rope_cache_kernel", mla_rope_cache_kernel<T, kFormat, QOut, kVec, true>,
-                    static_cast<unsigned>(grid), kMlaThreads, 0, launch, params);
+      go(std::true_type{});
       return;
     }
   }
-  launch_kernel("mla_rope_cache_kernel", mla_rope_cache_kernel<T, kFormat, QOut, kVec, false>,
-                static_cast<unsigned>(grid), kMlaThreads, 0, launch, params);
+  go(std::false_type{});
 }
 
 }  // namespace cuda
