@@ -294,6 +294,7 @@ struct QConcatCase {
   DType q_out;
   float q_scale;
   int64_t H, L, R;
+  int64_t T = 9;
 };
 
 class DecodeQConcat : public testing::TestWithParam<std::tuple<Backend, QConcatCase>> {};
@@ -302,7 +303,7 @@ TEST_P(DecodeQConcat, MatchesReference) {
   const Device dev = std::get<0>(GetParam()).device;
   const QConcatCase& c = std::get<1>(GetParam());
   std::mt19937_64 rng(c.H * 5 + c.L);
-  const int64_t T = 9, rows = T + 2;
+  const int64_t T = c.T, rows = T + 2;
   Tensor ql_nope = random_tensor(dev, c.model, {rows, c.H, c.L}, rng, 8.0f);
   Tensor q_pe = random_tensor(dev, c.model, {rows, c.H, c.R}, rng, 8.0f);
   Tensor q_out = poisoned_tensor(dev, c.q_out, {rows, c.H, c.L + c.R});
@@ -337,6 +338,10 @@ std::vector<QConcatCase> q_concat_cases() {
       {"e4m3_scaled", bf16, DType::kFloat8E4M3, 0.02f, 16, 512, 64},
       {"e4m3_noscale", bf16, DType::kFloat8E4M3, 0, 128, 512, 64},
       {"e5m2_scaled_fp16", DType::kFloat16, DType::kFloat8E5M2, 0.3f, 40, 256, 32},
+      // Launches whose copy items also move the rope parts (CUDA: from 512 tokens, q_out of the
+      // model dtype): 2 rows an item, and 1 row of R = 32 (4 lanes).
+      {"bf16_T520", bf16, bf16, 0, 8, 512, 64, 520},
+      {"fp16_T512_r32", DType::kFloat16, DType::kFloat16, 0, 2, 256, 32, 512},
   };
 }
 
