@@ -24,6 +24,8 @@ constexpr ModelShape kDeepSeekV2Lite{"dsv2lite", 16, 512, 64, 128};
 constexpr ModelShape kMiniCpm3{"minicpm3", 40, 256, 32, 64};
 // DeepSeek-V3's widths on 2 heads: large launches whose K items dominate (the K items' order).
 constexpr ModelShape kDeepSeekV3H2{"dsv3h2", 2, 512, 64, 128};
+// And on 3 heads: a head count that items of 2 rows do not divide.
+constexpr ModelShape kDeepSeekV3H3{"dsv3h3", 3, 512, 64, 128};
 
 enum class Entry { kFused, kDecode, kPrefill, kMixed };
 // How q_out's nope part is produced: copied from ql_nope, already there (ql_nope absent), or

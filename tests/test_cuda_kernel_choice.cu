@@ -175,15 +175,40 @@ TEST_F(CudaFusedKernelChoice, RopeInCopyFromTheThreshold) {
   FusedSpec neox = spec_of("neox_at", Entry::kDecode, kMin, kMin);
   neox.style = RopeStyle::kNeox;
   cases.push_back({neox, "false, false"});
-  // fp32 rows: 16 heads' copy items of 8 slots fill the stage (H = 2: a free slot).
+  // fp32 rows: 16 heads' copy items of 8 slots fill the stage. 2 heads' items take 1 slot (a
+  // free one) on a GPU of 86 multiprocessors or more; on a smaller one, 2 (mla_rope_cache.cu
+  // slots_for sizes items by the resident warps).
   FusedSpec fp32 = spec_of("fp32_h16_at", Entry::kDecode, kMin, kMin);
   fp32.shape = kDeepSeekV3Tp8;
   fp32.model = DType::kFloat32;
   cases.push_back({fp32, "false, false"});
-  fp32.name = "fp32_h2_at";
-  fp32.shape = kDeepSeekV3H2;
-  cases.push_back({fp32, "false, true"});
+  if (cuda::multiprocessor_count() >= 86) {
+    fp32.name = "fp32_h2_at";
+    fp32.shape = kDeepSeekV3H2;
+    cases.push_back({fp32, "false, true"});
+  }
   expect_flags(cases);
+}
+
+// The unfused decode_q_concat runs the same kernel without rotation, and takes the same path.
+TEST_F(CudaFusedKernelChoice, DecodeQConcatRopeInCopyFromTheThreshold) {
+  constexpr int64_t kMin = cuda::kRopeInCopyMinTokens;
+  constexpr int64_t H = 8, L = 512, R = 64;
+  for (const int64_t T : {kMin - 1, kMin}) {
+    SCOPED_TRACE("T " + std::to_string(T));
+    const Tensor ql_nope = new_tensor(device_, DType::kBFloat16, {T, H, L});
+    const Tensor q_pe = new_tensor(device_, DType::kBFloat16, {T, H, R});
+    const Tensor q_out = new_tensor(device_, DType::kBFloat16, {T, H, L + R});
+    DecodeQConcatParams p;
+    p.num_tokens = T;
+    p.ql_nope = ql_nope.device_view();
+    p.q_pe = q_pe.device_view();
+    p.q_out = q_out.device_view();
+    const std::vector<std::string> names =
+        kernels_of([&](const Context& ctx) { decode_q_concat(p, ctx); });
+    ASSERT_EQ(names.size(), 1u) << "expected one kernel";
+    EXPECT_EQ(fused_flags(names[0]), T >= kMin ? "false, true" : "false, false") << names[0];
+  }
 }
 
 // rmsnorm_quant's exact-fit kernel in the thread form of the grid's size (cuda/rmsnorm_quant.h):

@@ -344,12 +344,14 @@ std::vector<FusedSpec> work_split_specs() {
   return out;
 }
 
-// Launches of at least 1280 tokens (src/cuda/mla_rope_cache.h kKTableFirstMinTokens), whose K
-// items request their position and cos/sin before their rows on the CUDA backend (the 16-byte path
-// with q_out of the model dtype or none): mixed batches with RMSNorm over the cache formats,
-// padding tokens and bad positions (counted once per token in either order), decode only at
-// exactly the threshold, a device Td, an fp16 model; and an e4m3 q_out, which keeps the
-// rows-first order at every T.
+// Large launches, for two choices of the CUDA launcher (src/cuda/mla_rope_cache.h):
+// - from 1280 tokens (kKTableFirstMinTokens) the K items request their position and cos/sin
+//   before their rows (the 16-byte path with q_out of the model dtype or none): mixed batches with
+//   RMSNorm over the cache formats, padding tokens and bad positions (counted once per token in
+//   either order), decode only at exactly the threshold, a device Td, an fp16 model; and an e4m3
+//   q_out, which keeps the rows-first order at every T;
+// - from 512 decode tokens (kRopeInCopyMinTokens) the decode copy items also write the rows' rope
+//   parts (see below).
 std::vector<FusedSpec> large_launch_specs() {
   SpecAdder add(600);
   for (const FormatCase& f : {kFormats[0], kFormats[3], kFormats[6]}) {
@@ -367,7 +369,9 @@ std::vector<FusedSpec> large_launch_specs() {
   // The decode rows' rope parts in the copy items (CUDA: from 512 decode tokens, q_out of the
   // model dtype): 1 row an item (large_decode), 4 (large_tp8, q_pe in a head-major buffer), one
   // of a row's two segments (large_seg, fp16), fp32 rows (large_fp32), the decode side of a device
-  // Td (large_devtd), a mixed batch (large).
+  // Td (large_devtd), a mixed batch (large); with 3 heads, items of 2 rows across tokens with a
+  // bf16 table and bad positions on decode tokens (large_h3), and across a device Td's odd split
+  // (large_h3_devtd).
   s = base(kDeepSeekV3Tp8, kFormats[0], 520, 520);
   s.entry = Entry::kDecode;
   s.prefill_q = false;
@@ -380,6 +384,16 @@ std::vector<FusedSpec> large_launch_specs() {
   add(s, "large_seg");
   s.model = DType::kFloat32;
   add(s, "large_fp32");
+  s = base(kDeepSeekV3H3, kFormats[0], 1100, 1100);
+  s.entry = Entry::kDecode;
+  s.prefill_q = false;
+  s.table_dtype = DType::kBFloat16;
+  s.bad_positions = 3;
+  add(s, "large_h3");
+  s = base(kDeepSeekV3H3, kFormats[0], 1101, 777);
+  s.device_td = true;
+  s.device_td_value = 777;
+  add(s, "large_h3_devtd");
   s = base(kDeepSeekV3H2, kFormats[0], 2049, 700);
   s.device_td = true;
   s.device_td_value = 700;

@@ -65,7 +65,8 @@ struct CopyList {
   int64_t row_elems = 0;                               // L (decode) or P (prefill)
   int64_t src_step[2] = {0, 0}, dst_step[2] = {0, 0};  // [chunk index wrapped]
   int64_t src_token_jump = 0, dst_token_jump = 0;      // stride_token - H * stride_head
-  int32_t slots = 1;  // chunks a lane stages, <= kStageBytes / 32 / chunk bytes
+  int32_t slots = 1;  // chunks a lane stages, <= kStageBytes / 32 / chunk bytes (one less for
+                      // the decode list with decode_rope_in_copy: its rope chunk takes a slot)
   int32_t rows_per_item = 1;
   int32_t row_step = 0, chunk_step = 0;
   // The kernel's divisions, prepared here (fast_div.h: item and row indices are below 2^31); each

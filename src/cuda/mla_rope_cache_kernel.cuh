@@ -19,8 +19,9 @@
 //                                  [0, L*c) latent | [L*c, (L+R)*c) rope            raw / fp8
 //                                  [0,512) e4m3 | [512,528) 4 fp32 scales | [528,656) bf16 rope
 //   [T, T + T*G)               rope item, one token t and a group of heads (G groups per token);
-//                                t < Td: q_pe -> q_out[t, h, L:]; t >= Td: q[t, h, P:] -> in place
-//                                or q_prefill_out[t, h, P:]. Two mappings (p.rope_chunked, host):
+//                                t < Td: q_pe -> q_out[t, h, L:] (none with kRopeInCopy: the copy
+//                                items do those); t >= Td: q[t, h, P:] -> in place or
+//                                q_prefill_out[t, h, P:]. Two mappings (p.rope_chunked, host):
 //                                chunked (GPT-J or no rotation, 16-byte path, R / 8 = cph divides
 //                                32): hps = 32 / cph heads per slot, up to 8 slots (the launcher's
 //                                cap) staged in the warp's shared memory; slot s of lane l holds
@@ -43,14 +44,17 @@
 //                                pure streaming copy with 4 KB a warp in flight and few registers.
 //                                kRopeInCopy (large decode launches, mla_rope_cache.h
 //                                kRopeInCopyMinTokens): the item also rotates its rows' rope parts
-//                                (lane l: chunk l % (R / 8) of row l / (R / 8), staged in the slot
-//                                after the nope chunks), and the rope items leave the decode rows
-//                                alone, so that each q_out row is written whole by one warp.
+//                                (lane l: chunk l % (R / 8) of the item's row l / (R / 8); of a
+//                                row cut into segments, the first segment's lanes < R / 8), staged
+//                                in the slot after the nope chunks, and the rope items leave the
+//                                decode rows alone, so that each q_out row is written whole by
+//                                one warp.
 //   then prefill copy items    q[t, h, :P] -> q_prefill_out[t, h, :P], rows t >= Td, same mapping
 //                                (rows longer than an item are cut into segments).
 //
 // Shared memory: kStageBytes (8 KB) per warp, 32 KB a block: a K item's RMSNorm weight, or
-// the chunks a rope / copy item stages (at most 8 slots: 4 KB for 16-bit models, 8 KB for fp32).
+// the chunks a rope / copy item stages (at most 8 slots: 4 KB for 16-bit models, 8 KB for fp32;
+// with kRopeInCopy a copy item's rope chunk takes one more, which the launcher leaves free).
 // Each lane reads back only what it staged itself (after its own cp.async.wait_all), so the stage
 // needs no barrier. Without 16-byte access (kVec false) copy items stage through registers instead
 // of cp.async.
@@ -283,8 +287,8 @@ __device__ __forceinline__ void k_side_item(const MlaRopeCacheKernelParams& p, i
 }
 
 // Where rope item i works: token t, heads [h0, h0 + rope_heads_per_item), the decode side
-// (q_pe -> q_out[.., L:]) when t < Td, else the prefill side (q[.., P:] in place or into
-// q_prefill_out[.., P:]). Shared by both rope mappings.
+// (q_pe -> q_out[.., L:]) when t < Td (which kRopeInCopy leaves to the copy items), else the
+// prefill side (q[.., P:] in place or into q_prefill_out[.., P:]). Shared by both rope mappings.
 struct RopeItemPlace {
   int64_t t = 0;
   int64_t h0 = 0;
@@ -747,6 +751,11 @@ void launch_mla_rope_cache_kernel(const MlaRopeCacheKernelParams& params, const 
   MLAKV_CHECK(params.num_items <= 0x7fffffff, "mla_rope_cache: ", params.num_items,
               " work items exceed one launch");
   const int64_t grid = (params.num_items + kMlaWarps - 1) / kMlaWarps;
+  // The rope items leave the decode rows to the copy items only where that instance exists.
+  MLAKV_CHECK(
+      !params.decode_rope_in_copy || (kVec && std::is_same_v<QOut, T>),
+      "mla_rope_cache: the copy items' rope path is compiled for the 16-byte path with q_out "
+      "of the model dtype only");
   // Each choice is its own kernel, so that the others keep their registers and schedule. The rope
   // parts in the copy items (mla_rope_cache.h kRopeInCopyMinTokens) are compiled for the 16-byte
   // path with q_out of the model dtype only (an fp8 q_out was measured slower with them).
