@@ -404,6 +404,22 @@ __device__ __forceinline__ void rope_item(const MlaRopeCacheKernelParams& p, int
   with_pair_form<kVec>(neox, rotate_pairs);
 }
 
+// The cos/sin columns of chunk c of a GPT-J rope row (pairs 4c .. 4c + 3) at the position `raw_pos`
+// as loaded (clamped here, uncounted: bad positions are counted once per token, by its K item),
+// requested into cs_in / sn_in (table_values waits for them).
+__device__ __forceinline__ void request_chunk_table(const core::RopeTableArg& rope, int64_t raw_pos,
+                                                    int c, int half,
+                                                    uint32_t (&cs_in)[kChunkElems / 2],
+                                                    uint32_t (&sn_in)[kChunkElems / 2]) {
+  constexpr int kPairs = kChunkElems / 2;
+  const int64_t pos = clamp_position(raw_pos, rope.max_pos, nullptr);
+#pragma unroll
+  for (int j = 0; j < kPairs; ++j) {
+    cs_in[j] = start_load_table(rope, pos, c * kPairs + j);
+    sn_in[j] = start_load_table(rope, pos, half + c * kPairs + j);
+  }
+}
+
 // Rope item i of the chunked path (GPT-J or no rotation, kVec, R / 8 divides 32; decided on the
 // host, p.rope_chunked): token t, heads [h0, h0 + rope_heads_per_item). The rope part of a head is
 // cph = R / 8 chunks of 8 elements (4 adjacent pairs, 16 bytes of bf16); slot s < rope_chunk_slots
@@ -443,15 +459,7 @@ __device__ __forceinline__ void rope_item_chunked(const MlaRopeCacheKernelParams
   constexpr int kPairs = kChunkElems / 2;
   uint32_t cs_in[kPairs] = {};
   uint32_t sn_in[kPairs] = {};
-  if (p.apply_rope) {
-    // Bad positions are counted once per token, by its K item.
-    const int64_t pos = clamp_position(raw_pos, a.rope.max_pos, nullptr);
-#pragma unroll
-    for (int j = 0; j < kPairs; ++j) {
-      cs_in[j] = start_load_table(a.rope, pos, c * kPairs + j);
-      sn_in[j] = start_load_table(a.rope, pos, half + c * kPairs + j);
-    }
-  }
+  if (p.apply_rope) request_chunk_table(a.rope, raw_pos, c, half, cs_in, sn_in);
   const Divisor q_div = make_divisor(q_scale);  // fp8 q_out only
   float cs[kPairs], sn[kPairs];
   table_values(a.rope, cs_in, cs);
@@ -623,14 +631,8 @@ __device__ __forceinline__ void copy_item(const MlaRopeCacheKernelParams& p, con
     if constexpr (kVec) cp_async_commit();
     if constexpr (kRope) {
       if (rope_lane && p.apply_rope) {
-        // Bad positions are counted once per token, by its K item.
-        const int64_t pos = clamp_position(raw_pos, a.rope.max_pos, nullptr);
-        const int half = static_cast<int>(a.rope_dim / 2);
-#pragma unroll
-        for (int j = 0; j < kChunkElems / 2; ++j) {
-          cs_in[j] = start_load_table(a.rope, pos, rope_c * (kChunkElems / 2) + j);
-          sn_in[j] = start_load_table(a.rope, pos, half + rope_c * (kChunkElems / 2) + j);
-        }
+        request_chunk_table(a.rope, raw_pos, rope_c, static_cast<int>(a.rope_dim / 2), cs_in,
+                            sn_in);
       }
     }
     if constexpr (kVec) cp_async_wait_all();  // this lane's own chunks have landed
