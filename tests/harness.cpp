@@ -249,6 +249,14 @@ KVCacheView cache_view(const TestCache& c, bool host) {
     v.stride_token_bytes = entry + g.token_pad_bytes;
     v.stride_block_bytes = g.block_size * v.stride_token_bytes + g.block_pad_bytes;
   }
+  if (g.unused_stride_bytes != 0 && g.block_size == 1) {
+    v.stride_token_bytes = g.unused_stride_bytes;
+    if (g.split) v.stride_rope_token_bytes = g.unused_stride_bytes;
+  }
+  if (g.unused_stride_bytes != 0 && g.num_blocks == 1) {
+    v.stride_block_bytes = g.unused_stride_bytes;
+    if (g.split) v.stride_rope_block_bytes = g.unused_stride_bytes;
+  }
   if (c.scale.present()) {
     v.scale =
         static_cast<const float*>(host ? c.scale.host_view().data : c.scale.device_view().data);

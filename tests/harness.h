@@ -123,6 +123,9 @@ struct CacheGeometry {
   int64_t block_pad_bytes = 0;  // extra bytes after every block
   float scale = 0.0f;           // per-tensor fp8: the fp32 scale; 0 = no scale pointer (1.0)
   bool pow2 = false;            // fp8_ds_mla power-of-two tile scales
+  // The stride given for a size-1 dim (blocks of one entry: the token strides; a cache of one
+  // block: the block strides), which is never used and may be anything; 0: the packed value.
+  int64_t unused_stride_bytes = 0;
 };
 
 // A cache filled with the sentinel byte, with its scale tensor when the geometry asks for one.

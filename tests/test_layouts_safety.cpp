@@ -142,6 +142,24 @@ std::vector<FusedSpec> safety_specs() {
     s.index32 = true;
     out.push_back(s);
   }
+  // Blocks of one entry with a token stride that no entry could use (3 bytes: below an entry and
+  // misaligned): the stride of a size-1 dim is never used, so the op takes it and writes the
+  // same bytes as with a packed one.
+  for (CacheFormat f :
+       {CacheFormat::kBFloat16, CacheFormat::kFloat8E4M3, CacheFormat::kFloat8DsMla}) {
+    FusedSpec s = named("unused_token_stride_" + std::string(cache_format_name(f)), f, 0.037f);
+    s.cache.block_size = 1;
+    s.cache.unused_stride_bytes = 3;
+    s.padding_every = 4;
+    out.push_back(s);
+  }
+  {
+    FusedSpec s = named("unused_token_stride_split_bf16");
+    s.cache.split = true;
+    s.cache.block_size = 1;
+    s.cache.unused_stride_bytes = 3;
+    out.push_back(s);
+  }
   {
     FusedSpec s = named("all_padding");
     s.padding_every = 1;

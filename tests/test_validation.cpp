@@ -356,6 +356,49 @@ TEST_F(MlaValidation, CacheStrideMisaligned) {
   reject(p_, "kv_cache");
 }
 
+// The stride of a size-1 dim is never used, so any value is taken, as for every tensor (a torch
+// view of one block, or of blocks of one entry, may carry any): the entries written are those of
+// the packed view. Used strides with the same values are rejected above.
+TEST_F(MlaValidation, CacheUnusedStridesTakeAnyValue) {
+  const size_t bytes =
+      static_cast<size_t>(mlakv::cache_bytes(CacheFormat::kBFloat16, kBlocks, kBlockSize, L, R));
+  uint8_t* cache = static_cast<uint8_t*>(cache_);
+  auto run = [&](const mlakv::KVCacheView& view) {
+    std::memset(cache, kSentinel, bytes);
+    mlakv::MlaRopeCacheParams p = p_;
+    p.kv_cache = view;
+    std::memset(error_counts_, 0, 4 * mlakv::kNumErrorCounters);
+    mlakv::Context ctx;
+    ctx.error_counts = error_counts_;
+    ctx.checked = true;  // throws if anything is counted: every slot (5, padding, 0, 7) fits
+    mlakv::mla_rope_cache(p, ctx);
+    return std::vector<uint8_t>(cache, cache + bytes);
+  };
+  const auto packed = run(p_.kv_cache);
+  ASSERT_NE(packed, std::vector<uint8_t>(bytes, kSentinel));
+  for (int64_t junk : {int64_t{0}, int64_t{3}, int64_t{1} << 40}) {
+    SCOPED_TRACE(junk);
+    // One block of all kBlocks * kBlockSize slots: the block stride is unused.
+    mlakv::KVCacheView one_block =
+        mlakv::make_cache_view(cache_, CacheFormat::kBFloat16, 1, kBlocks * kBlockSize, L, R);
+    one_block.stride_block_bytes = junk;
+    EXPECT_EQ(run(one_block), packed);
+    // Blocks of one entry: the token stride is unused.
+    mlakv::KVCacheView one_entry =
+        mlakv::make_cache_view(cache_, CacheFormat::kBFloat16, kBlocks * kBlockSize, 1, L, R);
+    one_entry.stride_token_bytes = junk;
+    EXPECT_EQ(run(one_entry), packed);
+  }
+  // Still bounded like every stride.
+  mlakv::KVCacheView one_block =
+      mlakv::make_cache_view(cache_, CacheFormat::kBFloat16, 1, kBlocks * kBlockSize, L, R);
+  one_block.stride_block_bytes = -1;
+  mlakv::MlaRopeCacheParams p = p_;
+  p.kv_cache = one_block;
+  std::memset(cache, kSentinel, bytes);
+  reject(p, "kv_cache: expected stride_token_bytes and stride_block_bytes in [0, 2^56)");
+}
+
 // Sizes whose byte products pass 2^56 (or int64) are rejected before any product is used: no
 // offset an op computes can wrap.
 TEST_F(MlaValidation, ViewPastTheExtentLimit) {

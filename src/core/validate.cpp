@@ -187,8 +187,10 @@ class Validator {
     a.num_slots = num_slots;
     a.block_size = c.block_size;
     a.data = static_cast<uint8_t*>(c.data);
-    a.stride_block_bytes = c.stride_block_bytes;
-    a.stride_token_bytes = c.stride_token_bytes;
+    // The strides of size-1 dims are never used (strides() below): 0 in the arg, so that no
+    // offset or alignment test of a backend sees the caller's arbitrary value.
+    a.stride_block_bytes = c.num_blocks > 1 ? c.stride_block_bytes : 0;
+    a.stride_token_bytes = c.block_size > 1 ? c.stride_token_bytes : 0;
     a.scale = c.scale;
     a.ds_mla_pow2_scale = c.ds_mla_pow2_scale;
     if (!c.is_split()) {
@@ -206,38 +208,54 @@ class Validator {
     strides(name, "rope_", c.stride_rope_token_bytes, c.stride_rope_block_bytes, R * rope_elem,
             c.num_blocks, c.block_size, rope_elem, c.rope_data);
     a.rope_data = static_cast<uint8_t*>(c.rope_data);
-    a.stride_rope_block_bytes = c.stride_rope_block_bytes;
-    a.stride_rope_token_bytes = c.stride_rope_token_bytes;
+    a.stride_rope_block_bytes = c.num_blocks > 1 ? c.stride_rope_block_bytes : 0;
+    a.stride_rope_token_bytes = c.block_size > 1 ? c.stride_rope_token_bytes : 0;
     return a;
   }
 
  private:
   // The entries of one part of the cache: strides that keep entries and blocks apart, aligned,
-  // and all of it below kMaxExtentBytes from data (computed without overflow).
+  // and all of it below kMaxExtentBytes from data (computed without overflow). As for every tensor,
+  // the stride of a size-1 dim is never used and may be anything: the token stride of blocks of one
+  // entry, the block stride of a cache of one block (a torch view of one block may carry any).
   void strides(const char* name, const char* part, int64_t token_bytes, int64_t block_bytes,
                int64_t entry_bytes, int64_t num_blocks, int64_t block_size, int64_t align,
                const void* data) {
-    MLAKV_ARG_CHECK(*this, token_bytes >= entry_bytes, name, "expected stride_", part,
-                    "token_bytes >= ", entry_bytes, " (the entry), got ", token_bytes);
-    int64_t block_min = 0;
-    MLAKV_ARG_CHECK(
-        *this, checked_mul_add(block_size, token_bytes, 0, &block_min) && block_bytes >= block_min,
-        name, "expected stride_", part, "block_bytes >= block_size * stride_", part,
-        "token_bytes = ", block_size, " * ", token_bytes, ", got ", block_bytes);
-    MLAKV_ARG_CHECK(*this, token_bytes % align == 0 && block_bytes % align == 0, name,
-                    "expected stride_", part, "token_bytes and stride_", part,
-                    "block_bytes multiples of ", align, ", got ", token_bytes, " and ",
+    const bool tokens = block_size > 1;  // token_bytes is used
+    const bool blocks = num_blocks > 1;  // block_bytes is used
+    MLAKV_ARG_CHECK(*this,
+                    token_bytes >= 0 && token_bytes < kMaxExtentBytes && block_bytes >= 0 &&
+                        block_bytes < kMaxExtentBytes,
+                    name, "expected stride_", part, "token_bytes and stride_", part,
+                    "block_bytes in [0, 2^", kMaxExtentLog2, "), got ", token_bytes, " and ",
                     block_bytes);
+    if (tokens) {
+      MLAKV_ARG_CHECK(*this, token_bytes >= entry_bytes, name, "expected stride_", part,
+                      "token_bytes >= ", entry_bytes, " (the entry), got ", token_bytes);
+    }
+    if (blocks) {
+      int64_t block_min = entry_bytes;
+      MLAKV_ARG_CHECK(*this,
+                      (!tokens || checked_mul_add(block_size, token_bytes, 0, &block_min)) &&
+                          block_bytes >= block_min,
+                      name, "expected stride_", part, "block_bytes >= block_size * stride_", part,
+                      "token_bytes = ", block_size, " * ", tokens ? token_bytes : entry_bytes,
+                      ", got ", block_bytes);
+    }
+    MLAKV_ARG_CHECK(
+        *this, (!tokens || token_bytes % align == 0) && (!blocks || block_bytes % align == 0), name,
+        "expected stride_", part, "token_bytes and stride_", part, "block_bytes multiples of ",
+        align, ", got ", token_bytes, " and ", block_bytes);
     MLAKV_ARG_CHECK(*this, aligned(data, static_cast<size_t>(align)), name, "expected ", part,
                     "data aligned to ", align, " bytes, got address ", data);
     // The last entry ends (num_blocks - 1) * block_bytes + (block_size - 1) * token_bytes + entry
-    // bytes after data.
-    int64_t extent = 0;
+    // bytes after data (the terms of unused strides are 0).
+    int64_t extent = entry_bytes;
     MLAKV_ARG_CHECK(
         *this,
         num_blocks == 0 ||
-            (checked_mul_add(num_blocks - 1, block_bytes, entry_bytes, &extent) &&
-             checked_mul_add(block_size - 1, token_bytes, extent, &extent) &&
+            ((!blocks || checked_mul_add(num_blocks - 1, block_bytes, extent, &extent)) &&
+             (!tokens || checked_mul_add(block_size - 1, token_bytes, extent, &extent)) &&
              reinterpret_cast<uintptr_t>(data) <= UINTPTR_MAX - static_cast<uintptr_t>(extent)),
         name, "expected ", part, "entries spanning less than 2^", kMaxExtentLog2,
         " bytes from the cache's address, got ", num_blocks, " blocks of stride_", part,
