@@ -156,6 +156,11 @@ KVCacheView to_cache_view(const at::Tensor& kv_cache, c10::string_view cache_for
     TORCH_CHECK(rope.device() == kv_cache.device(), "mlakv: kv_cache_rope: expected a tensor on ",
                 kv_cache.device(), ", got one on ", rope.device());
     const int64_t rope_elem = rope.element_size();
+    // Byte tensors must hold whole values of the format's element type.
+    TORCH_CHECK(entry_bytes % latent_bytes == 0 && rope.size(2) * rope_elem % latent_bytes == 0,
+                "mlakv: kv_cache, kv_cache_rope: a ", cache_format_name(format),
+                " cache holds whole values of ", latent_bytes, " bytes, got entries of ",
+                entry_bytes, " and ", rope.size(2) * rope_elem, " bytes");
     const int64_t rope_width = rope.size(2) * rope_elem / latent_bytes;
     const int64_t latent_width = entry_bytes / latent_bytes;
     TORCH_CHECK(L < 0 || L == latent_width, "mlakv: kv_cache: expected a latent part of ", L,
@@ -171,6 +176,8 @@ KVCacheView to_cache_view(const at::Tensor& kv_cache, c10::string_view cache_for
     TORCH_CHECK(L >= 0, "mlakv: kv_lora_rank: expected >= 0, got ", L);
     if (R < 0) {
       R = format == CacheFormat::kFloat8DsMla ? kDsMlaRopeDim : entry_bytes / latent_bytes - L;
+      TORCH_CHECK(R >= 0, "mlakv: kv_lora_rank: expected at most ", entry_bytes / latent_bytes,
+                  " (the values of a kv_cache entry), got ", L);
     }
     const int64_t expected = cache_entry_bytes(format, L, R);
     TORCH_CHECK(entry_bytes == expected, "mlakv: kv_cache: a ", cache_format_name(format),

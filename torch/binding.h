@@ -72,11 +72,21 @@ decltype(auto) translate_errors(Fn&& fn) {
   }
 }
 
+// The dispatcher picks an op's kernel from the devices of all its tensors; the environment takes
+// its device from one of them, `name` (device_tensor), which must then be on the kernel's device
+// type (the core checks every other tensor against it).
+inline at::Device kernel_device(const char* name, const at::Tensor& device_tensor,
+                                at::DeviceType type) {
+  TORCH_CHECK(device_tensor.device().type() == type, "mlakv: ", name, ": expected a tensor on ",
+              c10::DeviceTypeName(type, /*lower_case=*/true),
+              " (where the op's other tensors are), got one on ", device_tensor.device());
+  return device_tensor.device();
+}
+
 // CPU ops: torch's intra-op thread count.
 struct CpuEnv {
-  CpuEnv(const at::Tensor& device_tensor, const OptTensor& error_counts) {
-    TORCH_CHECK(device_tensor.is_cpu(), "mlakv: CPU kernel called with a tensor on ",
-                device_tensor.device());
+  CpuEnv(const char* name, const at::Tensor& device_tensor, const OptTensor& error_counts) {
+    kernel_device(name, device_tensor, at::kCPU);
     ctx.num_threads = at::get_num_threads();
     ctx.error_counts = to_error_counts(error_counts, device_tensor.device());
   }
@@ -89,8 +99,8 @@ struct CpuEnv {
 // launch with programmatic dependent launch while the process-wide switch is on and the device
 // has it (sm_90+; the core's launch_kernel passes the attribute without looking at the device).
 struct CudaEnv {
-  CudaEnv(const at::Tensor& device_tensor, const OptTensor& error_counts)
-      : guard(device_tensor.device()) {
+  CudaEnv(const char* name, const at::Tensor& device_tensor, const OptTensor& error_counts)
+      : guard(kernel_device(name, device_tensor, at::kCUDA)) {
     const c10::DeviceIndex index = device_tensor.device().index();
     ctx.stream = at::cuda::getCurrentCUDAStream(index).stream();
     ctx.error_counts = to_error_counts(error_counts, device_tensor.device());

@@ -54,7 +54,7 @@ void mla_rope_cache_op(const at::Tensor& positions, const at::Tensor& slot_mappi
                        int64_t num_decode_tokens, const OptTensor& num_decode_tokens_device,
                        const OptTensor& error_counts, bool ds_mla_pow2_scale) {
   translate_errors([&] {
-    Env env(kv_c, error_counts);
+    Env env("kv_c", kv_c, error_counts);
     check_1d("slot_mapping", slot_mapping);
     MlaRopeCacheParams p;
     p.num_tokens = slot_mapping.size(0);
@@ -88,7 +88,7 @@ void rotary_embedding_op(const at::Tensor& positions, at::Tensor& query, const O
                          int64_t head_size, const at::Tensor& cos_sin_cache, bool is_neox,
                          const OptTensor& error_counts) {
   translate_errors([&] {
-    Env env(query, error_counts);
+    Env env("query", query, error_counts);
     check_1d("positions", positions);
     RotaryEmbeddingParams p;
     p.num_tokens = positions.size(0);
@@ -97,8 +97,9 @@ void rotary_embedding_op(const at::Tensor& positions, at::Tensor& query, const O
     if (key.has_value()) p.key = heads_view("key", *key, head_size);
     p.cos_sin_cache = to_view("cos_sin_cache", cos_sin_cache);
     p.rope_style = is_neox ? RopeStyle::kNeox : RopeStyle::kGptJ;
-    TORCH_CHECK(p.query.shape[2] == head_size, "mlakv: query: expected head_size ", head_size,
-                ", got ", p.query.shape[2]);
+    // A query of another rank gets the core's message (it expects [T, H, head_size]).
+    TORCH_CHECK(p.query.ndim != 3 || p.query.shape[2] == head_size,
+                "mlakv: query: expected head_size ", head_size, ", got ", p.query.shape[2]);
     rotary_embedding(p, env.ctx);
   });
 }
@@ -109,7 +110,7 @@ void concat_and_cache_mla_op(const at::Tensor& kv_c, const at::Tensor& k_pe, at:
                              const OptTensor& kv_cache_scale, const OptTensor& kv_cache_rope,
                              const OptTensor& error_counts, bool ds_mla_pow2_scale) {
   translate_errors([&] {
-    Env env(kv_c, error_counts);
+    Env env("kv_c", kv_c, error_counts);
     check_1d("slot_mapping", slot_mapping);
     ConcatAndCacheMlaParams p;
     p.num_tokens = slot_mapping.size(0);
@@ -126,7 +127,7 @@ template <typename Env>
 void decode_q_concat_op(const at::Tensor& ql_nope, const at::Tensor& q_pe, at::Tensor& q_out,
                         const OptTensor& q_scale) {
   translate_errors([&] {
-    Env env(q_out, std::nullopt);
+    Env env("q_out", q_out, std::nullopt);
     DecodeQConcatParams p;
     p.num_tokens = leading_size("q_out", q_out);
     p.ql_nope = to_view("ql_nope", ql_nope);
@@ -140,7 +141,7 @@ void decode_q_concat_op(const at::Tensor& ql_nope, const at::Tensor& q_pe, at::T
 template <typename Env>
 void rms_norm_op(at::Tensor& out, const at::Tensor& input, const at::Tensor& weight, double eps) {
   translate_errors([&] {
-    Env env(input, std::nullopt);
+    Env env("input", input, std::nullopt);
     RmsNormParams p;
     p.num_tokens = leading_size("input", input);
     p.input = to_view("input", input);
@@ -162,7 +163,7 @@ void gather_cache_slots_out_op(at::Tensor& out, const at::Tensor& kv_cache,
                                const OptTensor& kv_cache_rope, const at::Tensor& slots,
                                int64_t kv_lora_rank, const OptTensor& error_counts) {
   translate_errors([&] {
-    Env env(kv_cache, error_counts);
+    Env env("kv_cache", kv_cache, error_counts);
     check_1d("slots", slots);
     GatherCacheSlotsParams p;
     p.num_tokens = slots.size(0);
@@ -200,7 +201,7 @@ void gather_cache_sequences_out_op(at::Tensor& out, const at::Tensor& kv_cache,
                                    const at::Tensor& cu_seq_lens, int64_t kv_lora_rank,
                                    const OptTensor& error_counts) {
   translate_errors([&] {
-    Env env(kv_cache, error_counts);
+    Env env("kv_cache", kv_cache, error_counts);
     check_1d("cu_seq_lens", cu_seq_lens);
     TORCH_CHECK(cu_seq_lens.size(0) >= 1,
                 "mlakv: cu_seq_lens: expected B + 1 >= 1 elements, got none");
@@ -260,7 +261,7 @@ TORCH_LIBRARY(mlakv, m) {
       "Tensor(b!)? kv_cache_rope, Tensor? kv_norm_weight, float kv_norm_eps, "
       "Tensor(c!)? k_pe_out, Tensor(d!)? kv_c_out, Tensor? q_pe, Tensor? ql_nope, "
       "Tensor(e!)? q_out, Tensor? q_scale, Tensor(f!)? q, Tensor(g!)? q_prefill_out, "
-      "int num_decode_tokens, Tensor? num_decode_tokens_device, Tensor(h!)? error_counts, "
+      "SymInt num_decode_tokens, Tensor? num_decode_tokens_device, Tensor(h!)? error_counts, "
       "bool ds_mla_pow2_scale=False) -> ()");
   m.def(
       "rotary_embedding(Tensor positions, Tensor(a!) query, Tensor(b!)? key, int head_size, "
@@ -280,7 +281,7 @@ TORCH_LIBRARY(mlakv, m) {
       "Tensor(b!)? error_counts) -> ()");
   m.def(
       "gather_cache_sequences(Tensor kv_cache, str cache_format, Tensor? kv_cache_scale, "
-      "Tensor? kv_cache_rope, Tensor block_table, Tensor cu_seq_lens, int num_out_rows, "
+      "Tensor? kv_cache_rope, Tensor block_table, Tensor cu_seq_lens, SymInt num_out_rows, "
       "int kv_lora_rank, ScalarType out_dtype) -> Tensor");
   m.def(
       "gather_cache_sequences_out(Tensor(a!) out, Tensor kv_cache, str cache_format, "

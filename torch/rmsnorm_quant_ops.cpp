@@ -1,6 +1,6 @@
 // mlakv torch binding: torch.ops.mlakv.rmsnorm_quant, mla_rmsnorm_quant and
-// per_token_group_quant_fp8 (include/mlakv/rmsnorm_quant.h), CPU and CUDA kernels, and no-op Meta
-// kernels (the ops only write into their arguments) for FakeTensor / torch.compile.
+// per_token_group_quant_fp8 (include/mlakv/rmsnorm_quant.h), CPU and CUDA kernels. Their fake
+// kernels, for FakeTensor / torch.compile, are in python/mlakv/_fake.py with every other op's.
 //
 // Scales: a float32 [T, N / G] tensor, row-major (contiguous) or column-major, e.g.
 //   torch.empty(N // G, T_pad, dtype=torch.float32, device=d).t()[:T]    (DeepGEMM's layout)
@@ -43,7 +43,7 @@ void rmsnorm_quant_op(const at::Tensor& input, const at::Tensor& weight, double 
                       std::optional<double> scale_floor, bool pow2_scale, const OptTensor& residual,
                       const OptTensor& normed_out, std::optional<int64_t> num_tokens) {
   translate_errors([&] {
-    Env env(input, std::nullopt);
+    Env env("input", input, std::nullopt);
     RmsNormQuantParams p;
     p.num_tokens = token_count(num_tokens, input);
     p.input = to_view("input", input);
@@ -63,7 +63,7 @@ void mla_rmsnorm_quant_op(const at::Tensor& q_c, const at::Tensor& q_weight, dou
                           int64_t group_size, std::optional<double> scale_floor, bool pow2_scale,
                           const OptTensor& q_normed_out, std::optional<int64_t> num_tokens) {
   translate_errors([&] {
-    Env env(q_c, std::nullopt);
+    Env env("q_c", q_c, std::nullopt);
     MlaRmsNormQuantParams p;
     p.q.num_tokens = token_count(num_tokens, q_c);
     p.q.input = to_view("q_c", q_c);
@@ -85,7 +85,7 @@ void per_token_group_quant_fp8_op(const at::Tensor& input, at::Tensor& out, at::
                                   int64_t group_size, std::optional<double> scale_floor,
                                   bool pow2_scale, std::optional<int64_t> num_tokens) {
   translate_errors([&] {
-    Env env(input, std::nullopt);
+    Env env("input", input, std::nullopt);
     PerTokenGroupQuantParams p;
     p.num_tokens = token_count(num_tokens, input);
     p.input = to_view("input", input);
@@ -93,17 +93,6 @@ void per_token_group_quant_fp8_op(const at::Tensor& input, at::Tensor& out, at::
     per_token_group_quant_fp8(p, env.ctx);
   });
 }
-
-// Meta: nothing to compute (no outputs are returned); shapes are checked by the real kernels.
-void rmsnorm_quant_meta(const at::Tensor&, const at::Tensor&, double, at::Tensor&, at::Tensor&,
-                        int64_t, std::optional<double>, bool, const OptTensor&, const OptTensor&,
-                        std::optional<int64_t>) {}
-void mla_rmsnorm_quant_meta(const at::Tensor&, const at::Tensor&, double, at::Tensor&, at::Tensor&,
-                            const at::Tensor&, const at::Tensor&, double, at::Tensor&, int64_t,
-                            std::optional<double>, bool, const OptTensor&, std::optional<int64_t>) {
-}
-void per_token_group_quant_fp8_meta(const at::Tensor&, at::Tensor&, at::Tensor&, int64_t,
-                                    std::optional<double>, bool, std::optional<int64_t>) {}
 
 template <typename Env>
 void register_rmsnorm_quant_kernels(torch::Library& m) {
@@ -120,16 +109,16 @@ TORCH_LIBRARY_FRAGMENT(mlakv, m) {
   m.def(
       "rmsnorm_quant(Tensor input, Tensor weight, float eps, Tensor(a!) out, Tensor(b!) scales, "
       "int group_size=128, float? scale_floor=None, bool pow2_scale=False, "
-      "Tensor(c!)? residual=None, Tensor(d!)? normed_out=None, int? num_tokens=None) -> ()");
+      "Tensor(c!)? residual=None, Tensor(d!)? normed_out=None, SymInt? num_tokens=None) -> ()");
   m.def(
       "mla_rmsnorm_quant(Tensor q_c, Tensor q_weight, float q_eps, Tensor(a!) q_out, "
       "Tensor(b!) q_scales, Tensor kv_c, Tensor kv_weight, float kv_eps, Tensor(c!) kv_c_out, "
       "int group_size=128, float? scale_floor=None, bool pow2_scale=False, "
-      "Tensor(d!)? q_normed_out=None, int? num_tokens=None) -> ()");
+      "Tensor(d!)? q_normed_out=None, SymInt? num_tokens=None) -> ()");
   m.def(
       "per_token_group_quant_fp8(Tensor input, Tensor(a!) out, Tensor(b!) scales, "
       "int group_size=128, float? scale_floor=None, bool pow2_scale=False, "
-      "int? num_tokens=None) -> ()");
+      "SymInt? num_tokens=None) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(mlakv, CPU, m) {
@@ -141,9 +130,3 @@ TORCH_LIBRARY_IMPL(mlakv, CUDA, m) {
   mlakv::torch_binding::register_rmsnorm_quant_kernels<mlakv::torch_binding::CudaEnv>(m);
 }
 #endif
-
-TORCH_LIBRARY_IMPL(mlakv, Meta, m) {
-  m.impl("rmsnorm_quant", &mlakv::torch_binding::rmsnorm_quant_meta);
-  m.impl("mla_rmsnorm_quant", &mlakv::torch_binding::mla_rmsnorm_quant_meta);
-  m.impl("per_token_group_quant_fp8", &mlakv::torch_binding::per_token_group_quant_fp8_meta);
-}

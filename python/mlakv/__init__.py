@@ -39,18 +39,19 @@ from mlakv.cache import (  # noqa: E402,F401
 from mlakv.launch import pdl, pdl_enabled, set_pdl  # noqa: E402,F401
 from mlakv.ops import (  # noqa: E402,F401
     concat_and_cache_mla, decode_q_concat, gather_cache_sequences, gather_cache_slots,
-    mla_rope_cache, mla_rope_cache_decode, mla_rope_cache_mixed, mla_rope_cache_prefill,
-    rms_norm, rotary_embedding)
+    mla_rmsnorm_quant, mla_rope_cache, mla_rope_cache_decode, mla_rope_cache_mixed,
+    mla_rope_cache_prefill, per_token_group_quant_fp8, rms_norm, rmsnorm_quant, rotary_embedding)
 from mlakv.tables import rope_cos_sin_cache, yarn_cos_sin_cache, yarn_get_mscale  # noqa: E402,F401
 
 
 __all__ = [
     "CACHE_FORMATS", "ERROR_COUNTER_NAMES", "allocate_cache", "cache_entry_bytes",
     "cache_latent_dtype", "cache_rope_dtype", "concat_and_cache_mla", "cuda_kernels_available",
-    "decode_q_concat", "gather_cache_sequences", "gather_cache_slots", "mla_rope_cache",
-    "mla_rope_cache_decode", "mla_rope_cache_mixed", "mla_rope_cache_prefill", "new_error_counts",
-    "pdl", "pdl_enabled", "read_error_counts", "rms_norm", "rope_cos_sin_cache", "rotary_embedding",
-    "set_pdl", "yarn_cos_sin_cache", "yarn_get_mscale"]
+    "decode_q_concat", "gather_cache_sequences", "gather_cache_slots", "mla_rmsnorm_quant",
+    "mla_rope_cache", "mla_rope_cache_decode", "mla_rope_cache_mixed", "mla_rope_cache_prefill",
+    "new_error_counts", "pdl", "pdl_enabled", "per_token_group_quant_fp8", "read_error_counts",
+    "rms_norm", "rmsnorm_quant", "rope_cos_sin_cache", "rotary_embedding", "set_pdl",
+    "yarn_cos_sin_cache", "yarn_get_mscale"]
 
 
 def cuda_kernels_available() -> bool:

@@ -32,6 +32,13 @@ from mlakv.cache import cache_latent_width, canonical_format
 _ops = torch.ops.mlakv
 
 
+def _count(n):
+    """A host count (Td, rows) as the ops take it (their schemas say SymInt, so that a new value
+    does not compile a new graph): a SymInt passes as it is (``int()`` of one would specialize it
+    wherever it is traced symbolically); anything else becomes a Python int."""
+    return n if isinstance(n, torch.SymInt) else int(n)
+
+
 def mla_rope_cache(positions: torch.Tensor, slot_mapping: torch.Tensor,
                    cos_sin_cache: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
                    kv_cache: torch.Tensor, *, cache_format: str = "auto",
@@ -75,7 +82,7 @@ def mla_rope_cache(positions: torch.Tensor, slot_mapping: torch.Tensor,
     _ops.mla_rope_cache(positions, slot_mapping, cos_sin_cache, is_neox, kv_c, k_pe, kv_cache,
                         cache_format, kv_cache_scale, kv_cache_rope, kv_norm_weight,
                         float(kv_norm_eps), k_pe_out, kv_c_out, q_pe, ql_nope, q_out, q_scale, q,
-                        q_prefill_out, int(num_decode_tokens), num_decode_tokens_device,
+                        q_prefill_out, _count(num_decode_tokens), num_decode_tokens_device,
                         error_counts, ds_mla_pow2_scale)
 
 
@@ -113,9 +120,10 @@ def rotary_embedding(positions: torch.Tensor, query: torch.Tensor,
     ``head_size`` is required). Model dtype; rounding as in the fused op.
     """
     if head_size is None:
-        if query.dim() != 3:
+        if query.dim() == 2:
             raise RuntimeError("mlakv: rotary_embedding: head_size: required for a 2-D query")
-        head_size = query.shape[-1]
+        # A query of another rank than 2 or 3 is the op's error, with its message.
+        head_size = query.shape[-1] if query.dim() > 0 else 0
     _ops.rotary_embedding(positions, query, key, int(head_size), cos_sin_cache, is_neox,
                           error_counts)
 
@@ -207,11 +215,97 @@ def gather_cache_sequences(kv_cache: torch.Tensor, block_table: torch.Tensor,
     fmt = _gather_format(cache_format, kv_cache)
     if out is None and error_counts is None:
         return _ops.gather_cache_sequences(kv_cache, fmt, kv_cache_scale, kv_cache_rope,
-                                           block_table, cu_seq_lens, int(num_out_rows),
+                                           block_table, cu_seq_lens, _count(num_out_rows),
                                            int(kv_lora_rank), out_dtype)
     if out is None:
         width = cache_latent_width(kv_cache, fmt, kv_lora_rank, kv_cache_rope)
-        out = torch.zeros(int(num_out_rows), width, dtype=out_dtype, device=kv_cache.device)
+        out = torch.zeros(_count(num_out_rows), width, dtype=out_dtype, device=kv_cache.device)
     _ops.gather_cache_sequences_out(out, kv_cache, fmt, kv_cache_scale, kv_cache_rope,
                                     block_table, cu_seq_lens, int(kv_lora_rank), error_counts)
     return out
+
+
+# ---- RMSNorm + fp8 per-token-group quantization (docs/rmsnorm_quant.md) ------------------------
+def _quant_outputs(x, T, group_size, out, scales, column_major_scales):
+    """``out [T, N]`` e4m3 and ``scales [T, N / G]`` fp32 for ``x [>=T, N]``: the given tensors,
+    else new ones (scales row-major, or column-major: stride ``[1, T]``, DeepGEMM's layout)."""
+    N = x.shape[-1]
+    if out is None:
+        out = torch.empty(T, N, dtype=torch.float8_e4m3fn, device=x.device)
+    if scales is None:
+        groups = N // group_size if group_size > 0 else 0
+        if column_major_scales:
+            scales = torch.empty(groups, T, dtype=torch.float32, device=x.device).t()
+        else:
+            scales = torch.empty(T, groups, dtype=torch.float32, device=x.device)
+    return out, scales
+
+
+def _token_count(num_tokens, x):
+    """T of a row tensor ``x``: ``num_tokens`` when given, else its rows (as the ops take it)."""
+    return _count(num_tokens) if num_tokens is not None else x.shape[0]
+
+
+def _opt_count(num_tokens):
+    return None if num_tokens is None else _count(num_tokens)
+
+
+def rmsnorm_quant(input: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *,
+                  out: Optional[torch.Tensor] = None, scales: Optional[torch.Tensor] = None,
+                  group_size: int = 128, scale_floor: Optional[float] = None,
+                  pow2_scale: bool = False, residual: Optional[torch.Tensor] = None,
+                  normed_out: Optional[torch.Tensor] = None, column_major_scales: bool = False,
+                  num_tokens=None):
+    """RMSNorm then fp8 e4m3 quantization per (token, group of ``group_size`` values), one pass.
+
+    ``input [>=T, N]`` and ``weight [N]`` in the model dtype (``T = num_tokens``, default
+    ``input.shape[0]``). With ``residual [>=T, N]``, ``input + residual`` is normalized and written
+    back into ``residual`` (vLLM's ``fused_add_rms_norm``); ``normed_out [>=T, N]`` (model dtype,
+    may be ``input``) receives the normalized rows. ``scale = max(amax / 448, scale_floor)``
+    (default floor ``1e-10 / 448``: vLLM's and DeepGEMM's scales), rounded up to a power of two
+    with ``pow2_scale``. Returns ``(out, scales)``: ``out [T, N]`` float8_e4m3fn and ``scales
+    [T, N / group_size]`` float32, allocated when not given (``column_major_scales``: stride
+    ``[1, T]``, the layout block-scaled GEMMs read)."""
+    T = _token_count(num_tokens, input)
+    out, scales = _quant_outputs(input, T, group_size, out, scales, column_major_scales)
+    _ops.rmsnorm_quant(input, weight, float(eps), out, scales, int(group_size), scale_floor,
+                       pow2_scale, residual, normed_out, _opt_count(num_tokens))
+    return out, scales
+
+
+def mla_rmsnorm_quant(q_c: torch.Tensor, q_weight: torch.Tensor, kv_c: torch.Tensor,
+                      kv_weight: torch.Tensor, *, q_eps: float = 1e-6, kv_eps: float = 1e-6,
+                      q_out: Optional[torch.Tensor] = None,
+                      q_scales: Optional[torch.Tensor] = None,
+                      kv_c_out: Optional[torch.Tensor] = None, group_size: int = 128,
+                      scale_floor: Optional[float] = None, pow2_scale: bool = False,
+                      q_normed_out: Optional[torch.Tensor] = None,
+                      column_major_scales: bool = False, num_tokens=None):
+    """The two norms of an MLA layer in one launch: ``q_c [>=T, Nq]`` -> RMSNorm -> e4m3 values +
+    fp32 group scales (as ``rmsnorm_quant``), and ``kv_c [>=T, Nkv]`` -> RMSNorm -> ``kv_c_out``
+    in the model dtype (may be ``kv_c``: in place). Returns ``(q_out, q_scales, kv_c_out)``,
+    allocated when not given."""
+    T = _token_count(num_tokens, q_c)
+    q_out, q_scales = _quant_outputs(q_c, T, group_size, q_out, q_scales, column_major_scales)
+    if kv_c_out is None:
+        kv_c_out = torch.empty(_token_count(num_tokens, kv_c), kv_c.shape[-1], dtype=kv_c.dtype,
+                               device=kv_c.device)
+    _ops.mla_rmsnorm_quant(q_c, q_weight, float(q_eps), q_out, q_scales, kv_c, kv_weight,
+                           float(kv_eps), kv_c_out, int(group_size), scale_floor, pow2_scale,
+                           q_normed_out, _opt_count(num_tokens))
+    return q_out, q_scales, kv_c_out
+
+
+def per_token_group_quant_fp8(input: torch.Tensor, group_size: int = 128, *,
+                              out: Optional[torch.Tensor] = None,
+                              scales: Optional[torch.Tensor] = None,
+                              scale_floor: Optional[float] = None, pow2_scale: bool = False,
+                              column_major_scales: bool = False, num_tokens=None):
+    """vLLM's ``per_token_group_quant_fp8`` (the unfused second step): ``input [>=T, N]`` (model
+    dtype) -> e4m3 values + fp32 scales per (token, group), the scale rule of ``rmsnorm_quant``.
+    Returns ``(out, scales)``, allocated when not given."""
+    T = _token_count(num_tokens, input)
+    out, scales = _quant_outputs(input, T, group_size, out, scales, column_major_scales)
+    _ops.per_token_group_quant_fp8(input, out, scales, int(group_size), scale_floor, pow2_scale,
+                                   _opt_count(num_tokens))
+    return out, scales

@@ -393,6 +393,54 @@ def test_wrapper_and_zero_dim_errors_are_runtime_errors(device):
                                            torch.float32)
 
 
+def test_argument_errors_name_the_argument(device):
+    """Errors that used to name the wrong thing, or nothing."""
+    cfg = TP8
+    table = mlakv.tables.rope_cos_sin_cache(cfg.R, 16).to(device)
+    positions = torch.zeros(2, dtype=torch.int64, device=device)
+    # A query of another rank than 2 or 3: the op's message about its dims, not a head size.
+    for q in (torch.zeros(2 * cfg.R, dtype=torch.bfloat16, device=device),
+              torch.zeros(2, 1, 1, cfg.R, dtype=torch.bfloat16, device=device)):
+        with pytest.raises(RuntimeError, match="query: expected 3 dims"):
+            mlakv.rotary_embedding(positions, q, None, table)
+    # Byte caches must hold whole values of the format's element type.
+    x = make_mla_inputs(cfg, "bf16", T=4, device=device)
+    latent = torch.zeros(4, 4, cfg.L * 2, dtype=torch.uint8, device=device)
+    rope = torch.zeros(4, 4, cfg.R * 2 + 1, dtype=torch.uint8, device=device)
+    with pytest.raises(RuntimeError, match="whole values"):
+        mlakv.concat_and_cache_mla(x.kv_c, x.k_pe, latent, x.slot_mapping, cache_format="bf16",
+                                   kv_cache_rope=rope)
+    assert not latent.any() and not rope.any()
+    # A kv_lora_rank wider than the entry is named.
+    cache = mlakv.allocate_cache(4, 4, cfg.L, cfg.R, "bf16", device=device)
+    with pytest.raises(RuntimeError, match="kv_lora_rank: expected at most 576"):
+        mlakv.gather_cache_slots(cache, x.slot_mapping, kv_lora_rank=608, cache_format="bf16")
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8_ds_mla"])
+def test_cache_of_one_block_with_any_block_stride(fmt, device):
+    """A view of one block (here a transposed [4, 1, entry] buffer: block stride 1152) or of
+    blocks of one entry carries a stride that is never used: the op takes it and writes and reads
+    the bytes of a contiguous cache."""
+    cfg = TP8
+    x = make_mla_inputs(cfg, fmt, T=4, device=device, num_blocks=1, block_size=4)
+    packed = mlakv.allocate_cache(1, 4, cfg.L, cfg.R, fmt, device=device, fill=0)
+    entry = packed.shape[-1]
+    odd = torch.zeros(4, 1, entry, dtype=packed.dtype, device=device).transpose(0, 1)
+    assert odd.shape == packed.shape and odd.stride(0) != packed.stride(0)
+    for cache in (packed, odd):
+        mlakv.concat_and_cache_mla(x.kv_c, x.k_pe, cache, x.slot_mapping, cache_format=fmt)
+    assert_bytes_equal(odd, packed)
+    got = mlakv.gather_cache_slots(odd, x.slot_mapping, kv_lora_rank=cfg.L, cache_format=fmt)
+    want = mlakv.gather_cache_slots(packed, x.slot_mapping, kv_lora_rank=cfg.L, cache_format=fmt)
+    assert_bytes_equal(got, want)
+    # Blocks of one entry whose token stride could hold no entry (3 elements).
+    buf = torch.zeros(4 * entry, dtype=packed.dtype, device=device)
+    one = buf.as_strided((4, 1, entry), (entry, 3, 1))
+    mlakv.concat_and_cache_mla(x.kv_c, x.k_pe, one, x.slot_mapping, cache_format=fmt)
+    assert_bytes_equal(buf.view(1, 4, entry), packed)
+
+
 def test_gather_cache_sequences_empty_block_table(device):
     """An empty block table ([B, 0], or B = 0) has no entry to read: rows are zeros and counted
     ([B, 0]) or untouched (B = 0), never a read through the empty tensor's pointer."""

@@ -203,6 +203,49 @@ def test_per_token_group_quant_fp8(dtype, device):
     assert_bytes_equal(scales, s)
 
 
+@pytest.mark.parametrize("column_major", [False, True])
+def test_python_wrappers(column_major, device):
+    """mlakv.rmsnorm_quant / mla_rmsnorm_quant / per_token_group_quant_fp8 allocate what is not
+    given (scales in the layout asked for) and return the reference's bytes; given outputs are
+    written and returned."""
+    T, N = 7, 1536
+    x = rand_rows(T, N, torch.bfloat16, device, seed=21)  # 2 padding rows past T
+    w = rand_weight(N, torch.bfloat16, device, seed=22)
+    q, s = ref_group_quant(ref_rms_norm(x[:T], w, 1e-5)[0], 64, pow2=True)
+
+    out, scales = mlakv.rmsnorm_quant(x, w, 1e-5, group_size=64, pow2_scale=True,
+                                      column_major_scales=column_major, num_tokens=T)
+    assert out.shape == (T, N) and out.dtype == torch.float8_e4m3fn
+    assert scales.shape == (T, N // 64) and scales.dtype == torch.float32
+    assert scales.stride() == ((1, T) if column_major else (N // 64, 1))
+    assert_bytes_equal(out, q)
+    assert_bytes_equal(scales, s)
+
+    given = (torch.empty(T, N, dtype=torch.float8_e4m3fn, device=device),
+             scales_buffer(T, N // 64, column_major, device, pad=2))
+    got = mlakv.rmsnorm_quant(x, w, 1e-5, out=given[0], scales=given[1], group_size=64,
+                              pow2_scale=True, num_tokens=T)
+    assert got[0] is given[0] and got[1] is given[1]
+    assert_bytes_equal(given[0], q)
+    assert_bytes_equal(given[1], s)
+
+    out, scales = mlakv.per_token_group_quant_fp8(x[:T], 128,
+                                                  column_major_scales=column_major)
+    q, s = ref_group_quant(x[:T], 128)
+    assert_bytes_equal(out, q)
+    assert_bytes_equal(scales, s)
+
+    kv_c = rand_rows(T, 512, torch.bfloat16, device, seed=23, pad_rows=0)
+    kvw = rand_weight(512, torch.bfloat16, device, seed=24)
+    q_out, q_scales, kv_out = mlakv.mla_rmsnorm_quant(x[:T], w, kv_c, kvw, q_eps=1e-5,
+                                                      kv_eps=1e-4,
+                                                      column_major_scales=column_major)
+    q, s = ref_group_quant(ref_rms_norm(x[:T], w, 1e-5)[0], 128)
+    assert_bytes_equal(q_out, q)
+    assert_bytes_equal(q_scales, s)
+    assert_bytes_equal(kv_out, ref_rms_norm(kv_c, kvw, 1e-4)[0])
+
+
 def test_bad_arguments_raise_and_write_nothing(device):
     T, N = 4, 1536
     x = rand_rows(T, N, torch.bfloat16, device, seed=11)

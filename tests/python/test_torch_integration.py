@@ -324,3 +324,107 @@ def test_core_is_torch_free():
                  for p in (root / folder).rglob("*")
                  if p.suffix in (".h", ".cpp", ".cu", ".cuh") and pattern.search(p.read_text())]
     assert not offenders, f"torch headers in the core: {offenders}"
+
+
+# ---- host counts under torch.compile -------------------------------------------------------------
+class _GraphCounter:
+    """A torch.compile backend that counts the graphs it is given and runs them as they are."""
+
+    def __init__(self):
+        self.graphs = 0
+
+    def __call__(self, gm, example_inputs):
+        self.graphs += 1
+        return gm.forward
+
+
+def test_torch_compile_host_td_is_symbolic(device):
+    """A mixed batch with a host Td, compiled with fullgraph=True: the Td values after the first
+    share one graph (the schema takes a SymInt; an int would compile a graph per value and fail
+    at dynamo's recompile limit), and each call gives the eager bytes."""
+    cfg = TP8
+    counter = _GraphCounter()
+
+    def step(positions, slot_mapping, table, kv_c, k_pe, kv_cache, q_pe, ql_nope, q_out, q, td):
+        mlakv.mla_rope_cache(positions, slot_mapping, table, kv_c, k_pe, kv_cache,
+                             cache_format="bf16", q_pe=q_pe, ql_nope=ql_nope, q_out=q_out, q=q,
+                             num_decode_tokens=td)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, backend=counter, fullgraph=True)
+    for td in range(1, 11):  # more values than dynamo's default recompile limit (8)
+        x = make_mla_inputs(cfg, "bf16", T=12, Td=td, device=device, seed=td)
+        y = x.clone()
+        args = lambda v: (v.positions, v.slot_mapping, v.cos_sin_cache, v.kv_c, v.k_pe,
+                          v.kv_cache, v.q_pe, v.ql_nope, v.q_out, v.q, td)
+        compiled(*args(x))
+        step(*args(y))
+        for name in ("kv_cache", "q_out", "q"):
+            assert_bytes_equal(getattr(x, name), getattr(y, name))
+    assert counter.graphs <= 2, f"{counter.graphs} graphs for 10 values of Td"
+
+
+def test_torch_compile_row_counts_are_symbolic(device):
+    """gather_cache_sequences' num_out_rows and rmsnorm_quant's num_tokens stay symbolic too."""
+    cfg = TP8
+    cache = mlakv.allocate_cache(4, 4, cfg.L, cfg.R, "bf16", device=device)
+    block_table = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32, device=device)
+    cu = torch.tensor([0, 5, 8], dtype=torch.int32, device=device)
+    counter = _GraphCounter()
+
+    def gather(cache, block_table, cu, rows):
+        return mlakv.gather_cache_sequences(cache, block_table, cu, rows, kv_lora_rank=cfg.L,
+                                            cache_format="bf16")
+
+    torch._dynamo.reset()
+    compiled = torch.compile(gather, backend=counter, fullgraph=True)
+    for rows in range(1, 11):
+        assert_bytes_equal(compiled(cache, block_table, cu, rows),
+                           gather(cache, block_table, cu, rows))
+    assert counter.graphs <= 2, f"{counter.graphs} graphs for 10 values of num_out_rows"
+
+    counter = _GraphCounter()
+    x = torch.randn(12, 256, device=device).to(torch.bfloat16)
+    w = torch.ones(256, dtype=torch.bfloat16, device=device)
+
+    def quant(x, w, t):
+        return mlakv.rmsnorm_quant(x, w, num_tokens=t)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(quant, backend=counter, fullgraph=True)
+    for t in range(1, 11):
+        got, want = compiled(x, w, t), quant(x, w, t)
+        assert got[0].shape == (t, 256)
+        assert_bytes_equal(got[0], want[0])
+        assert_bytes_equal(got[1], want[1])
+    assert counter.graphs <= 2, f"{counter.graphs} graphs for 10 values of num_tokens"
+
+
+def test_fake_kernels_reject_mixed_devices():
+    """A meta tensor among CPU ones dispatches to the fake kernels: they raise, as the real
+    kernels would for tensors on two devices, instead of returning with nothing written."""
+    x = make_mla_inputs(TP8, "bf16", T=4)
+    with pytest.raises(RuntimeError, match="one device"):
+        mlakv.concat_and_cache_mla(x.kv_c.to("meta"), x.k_pe, x.kv_cache, x.slot_mapping,
+                                   cache_format="bf16")
+    with pytest.raises(RuntimeError, match="one device"):
+        mlakv.rmsnorm_quant(torch.empty(4, 256, dtype=torch.bfloat16, device="meta"),
+                            torch.ones(256, dtype=torch.bfloat16))
+    # All on one device: no error (shapes only).
+    mlakv.concat_and_cache_mla(x.kv_c.to("meta"), x.k_pe.to("meta"), x.kv_cache.to("meta"),
+                               x.slot_mapping.to("meta"), cache_format="bf16")
+
+
+@requires_cuda
+def test_cuda_op_with_its_device_tensor_on_the_cpu():
+    """The CUDA kernel is chosen when any argument is on CUDA; the tensor the op takes its device
+    from is then named in the error (not torch's device guard's message), nothing written."""
+    x = make_mla_inputs(TP8, "bf16", device="cuda")
+    before = x.kv_cache.clone()
+    with pytest.raises(RuntimeError, match="kv_c: expected a tensor on cuda"):
+        mlakv.concat_and_cache_mla(x.kv_c.cpu(), x.k_pe, x.kv_cache, x.slot_mapping,
+                                   cache_format="bf16")
+    with pytest.raises(RuntimeError, match="input: expected a tensor on cuda"):
+        mlakv.rmsnorm_quant(torch.ones(4, 256, dtype=torch.bfloat16),
+                            torch.ones(256, dtype=torch.bfloat16, device="cuda"))
+    assert torch.equal(x.kv_cache, before)
