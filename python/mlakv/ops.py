@@ -112,9 +112,10 @@ def rotary_embedding(positions: torch.Tensor, query: torch.Tensor,
                      key: Optional[torch.Tensor], cos_sin_cache: torch.Tensor, *,
                      is_neox: bool = False, head_size: Optional[int] = None,
                      error_counts: Optional[torch.Tensor] = None) -> None:
-    """vLLM's ``rotary_embedding``: rotates, in place, the first ``rot_dim``
-    (``= cos_sin_cache.shape[1]``) values of every head of ``query [>=T, Hq, head_size]`` (and of
-    ``key [>=T, Hk, head_size]``).
+    """vLLM's ``rotary_embedding`` (its arguments, with ``head_size`` and ``is_neox`` by keyword;
+    ``torch.ops.mlakv.rotary_embedding`` takes them in vLLM's order): rotates, in place, the first
+    ``rot_dim`` (``= cos_sin_cache.shape[1]``) values of every head of ``query [>=T, Hq,
+    head_size]`` (and of ``key [>=T, Hk, head_size]``).
 
     ``T = positions.shape[0]``. ``query``/``key`` may also be 2-D ``[>=T, H * head_size]`` (then
     ``head_size`` is required). Model dtype; rounding as in the fused op.
