@@ -150,7 +150,7 @@ void validate_task(const std::string& prefix, int64_t num_tokens, const TensorVi
                    const TensorView* normed_out, const std::string& normed_out_name,
                    const Fp8GroupQuantOutput* quant, const DType* required_dtype, Validator& v,
                    core::RmsNormQuantTask& task, core::MemoryCheck& m) {
-  const std::string p = prefix;
+  const std::string& p = prefix;
   if (num_tokens < 0) v.fail(p + "num_tokens", "expected >= 0, got " + std::to_string(num_tokens));
   if (!input.present()) v.fail(p + "input", "expected a [T, N] model-dtype tensor, got none");
   if (input.ndim != 2) v.fail(p + "input", "expected 2 dims [T, N], got " + input.describe());
