@@ -96,7 +96,8 @@ TEST_P(GatherCache, SequencesMatchReference) {
   TestCache cache = filled_cache(dev, c, rng);
   const int64_t bs = c.block_size, D = c.L + c.R;
   const int64_t num_blocks = cache.geometry.num_blocks;
-  // Sequences of 5, 0, 37 and 1 tokens; the last block of sequence 2 is a bad id.
+  // Sequences of 5, 0, 37 and 1 tokens; the last block of sequence 2 and the first of sequence 0
+  // are bad ids.
   const std::vector<int64_t> lens = {5, 0, 37, 1};
   const int64_t B = static_cast<int64_t>(lens.size());
   int64_t max_blocks = 0;
@@ -111,6 +112,7 @@ TEST_P(GatherCache, SequencesMatchReference) {
   const int64_t last_block_of_seq2 = (lens[2] - 1) / bs;
   table_values[2 * max_blocks + last_block_of_seq2] = num_blocks + 2;
   if (last_block_of_seq2 > 0) table_values[2 * max_blocks] = -1;
+  table_values[0] = num_blocks;  // sequence 0's first block: one past the cache's last
   set_indices(block_table.view(0, {(B + 1) * max_blocks}, {1}), table_values);
   std::vector<int64_t> cu(static_cast<size_t>(B + 1), 0);
   for (int64_t b = 0; b < B; ++b) cu[b + 1] = cu[b] + lens[b];

@@ -129,6 +129,19 @@ TEST(FromFloat, Float32NaNIsCanonical) {
   }
 }
 
+// bf16 and fp16 storage: every NaN becomes 0x7fff, whatever its sign and payload (an x86 invalid
+// operation gives a negative NaN, a GPU a positive one: a kept sign would split the backends).
+TEST(FromFloat, SixteenBitNaNIsCanonical) {
+  for (uint32_t bits :
+       {0x7fc00000u, 0xffc00000u, 0x7f800001u, 0xff800001u, 0x7fc00001u, 0xffffffffu}) {
+    const float f = bits_to_float(bits);
+    EXPECT_EQ(num::float_to_bf16(f).bits, 0x7fff) << std::hex << bits;
+    EXPECT_EQ(num::float_to_half(f).bits, 0x7fff) << std::hex << bits;
+    EXPECT_EQ(num::from_float<num::Bf16>(f).bits, 0x7fff) << std::hex << bits;
+    EXPECT_EQ(num::from_float<num::Half>(f).bits, 0x7fff) << std::hex << bits;
+  }
+}
+
 TEST(Fp8Decode, AllCodesAgree) {
   for (int c = 0; c < 256; ++c) {
     const uint8_t code = static_cast<uint8_t>(c);

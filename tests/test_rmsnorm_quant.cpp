@@ -11,6 +11,7 @@
 // column-major scales).
 #include <gtest/gtest.h>
 
+#include <cfloat>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -267,6 +268,10 @@ struct Case {
   bool pow2 = false;
   int64_t group_size = 128;
   int64_t row_pad = 0;  // extra elements per row of every per-token tensor (strided views)
+  // The residual's and normed_out's own row pads (-1: row_pad), so that each tensor can have its
+  // own row stride.
+  int64_t residual_row_pad = -1;
+  int64_t normed_row_pad = -1;
   float scale_floor = kDefaultScaleFloor;
   float eps = 1e-6f;
 };
@@ -299,11 +304,13 @@ Job make_job(Device device, const Case& c, std::mt19937_64& rng, bool with_weigh
     fill_weight(j.weight, rng);
   }
   if (c.residual) {
-    j.residual = rows_tensor(device, c.dtype, rows, c.N, c.row_pad);
+    j.residual = rows_tensor(device, c.dtype, rows, c.N,
+                             c.residual_row_pad < 0 ? c.row_pad : c.residual_row_pad);
     fill_activations(j.residual, rng);
   }
   if (c.normed == Case::kSeparate) {
-    j.normed_out = rows_tensor(device, c.dtype, rows, c.N, c.row_pad);
+    j.normed_out = rows_tensor(device, c.dtype, rows, c.N,
+                               c.normed_row_pad < 0 ? c.row_pad : c.normed_row_pad);
     fill_bytes(*j.normed_out.buffer, kPoisonByte);
   } else if (c.normed == Case::kInPlace) {
     j.normed_out = j.input;
@@ -1098,6 +1105,38 @@ TEST_P(RmsNormQuantTest, DualKvEqualsRmsNorm) {
                           "rms_norm vs mla_rmsnorm_quant kv output"));
 }
 
+// Every per-token tensor with its own row stride (input, residual, normed_out; kv_c and kv_c_out in
+// the dual form), so that a row address taken with another tensor's stride cannot pass.
+TEST_P(RmsNormQuantTest, EveryTensorItsOwnRowStride) {
+  uint64_t seed = 1400;
+  for (DType dt : {DType::kBFloat16, DType::kFloat16, DType::kFloat32}) {
+    Case c;
+    c.name = "own row strides";
+    c.dtype = dt;
+    c.N = 1536;
+    c.T = 67;
+    c.residual = true;
+    c.normed = Case::kSeparate;
+    c.row_pad = 8;
+    c.residual_row_pad = 24;
+    c.normed_row_pad = 40;
+    run_rmsnorm_quant(c, ++seed);
+
+    Case qc = c;
+    qc.name = "dual q_c, own row strides";
+    qc.residual = false;
+    Case kc;
+    kc.name = "dual kv_c, own row strides";
+    kc.dtype = dt;
+    kc.N = 512;
+    kc.T = 67;
+    kc.normed = Case::kSeparate;
+    kc.row_pad = 16;
+    kc.normed_row_pad = 48;
+    run_dual(qc, kc, ++seed);
+  }
+}
+
 // ---- bad arguments -----------------------------------------------------------------------------
 
 struct Valid {
@@ -1168,6 +1207,11 @@ TEST_P(RmsNormQuantTest, BadArgumentsWriteNothing) {
       {"input innermost stride 2", "input", [](auto& p) { p.input.stride[1] = 2; }},
       {"input row stride not 16 B", "input", [](auto& p) { p.input.stride[0] = 1540; }},
       {"input rows overlap", "input", [](auto& p) { p.input.stride[0] = 8; }},
+      {"input rows overlap at T = 2", "input",
+       [](auto& p) {
+         p.num_tokens = 2;
+         p.input.stride[0] = 8;
+       }},
       {"input misaligned", "input", [&](auto& p) { offset_bytes(p.input, 2); }},
       {"input cuda index -1", "input",
        [](auto& p) {
@@ -1187,11 +1231,18 @@ TEST_P(RmsNormQuantTest, BadArgumentsWriteNothing) {
       {"normed_out dtype", "normed_out", [](auto& p) { p.normed_out.dtype = DType::kFloat32; }},
       {"normed_out rows", "normed_out", [](auto& p) { p.normed_out.shape[0] = 3; }},
       {"normed_out is residual", "normed_out", [](auto& p) { p.normed_out = p.residual; }},
+      {"normed_out at input's address, another row stride", "normed_out",
+       [](auto& p) {
+         p.normed_out.data = p.input.data;
+         p.normed_out.stride[0] = 2 * p.input.stride[0];
+       }},
       {"group size 100", "quant.group_size", [](auto& p) { p.quant.group_size = 100; }},
       {"group size 512", "quant.group_size", [](auto& p) { p.quant.group_size = 512; }},
       {"group size 8", "quant.group_size", [](auto& p) { p.quant.group_size = 8; }},
       {"scale_floor 0", "quant.scale_floor", [](auto& p) { p.quant.scale_floor = 0.0f; }},
       {"scale_floor inf", "quant.scale_floor", [](auto& p) { p.quant.scale_floor = INFINITY; }},
+      {"scale_floor subnormal", "quant.scale_floor",
+       [](auto& p) { p.quant.scale_floor = FLT_MIN / 2; }},
       {"values dtype bf16", "quant.values",
        [](auto& p) { p.quant.values.dtype = DType::kBFloat16; }},
       {"values dtype e5m2", "quant.values",
