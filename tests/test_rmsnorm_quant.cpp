@@ -1233,8 +1233,10 @@ TEST_P(RmsNormQuantTest, BadArgumentsWriteNothing) {
       {"normed_out is residual", "normed_out", [](auto& p) { p.normed_out = p.residual; }},
       {"normed_out at input's address, another row stride", "normed_out",
        [](auto& p) {
+         // T rows 8 elements apart more than the input's: still inside the input's T + 2 rows.
          p.normed_out.data = p.input.data;
-         p.normed_out.stride[0] = 2 * p.input.stride[0];
+         p.normed_out.shape[0] = p.num_tokens;
+         p.normed_out.stride[0] = p.input.stride[0] + 8;
        }},
       {"group size 100", "quant.group_size", [](auto& p) { p.quant.group_size = 100; }},
       {"group size 512", "quant.group_size", [](auto& p) { p.quant.group_size = 512; }},
