@@ -76,6 +76,60 @@ TEST(Tables, YarnInvFreqFromRowOne) {
   }
 }
 
+// The correction range at its clips (same formulas, factor 2 for a small table):
+// - beta_slow 1e-6 puts find_correction_dim at 70.51344063687728, above R - 1: high = 63, so the
+//   ramp runs (i - 10) / 53 over every i > 10;
+// - beta_fast = beta_slow = 658.4176333734474 (4096 / (2 pi) * 1.01) puts both at
+//   -0.034570990261140626: low = max(floor, 0) = 0 = high = ceil, an empty range that vLLM
+//   widens by 0.001 (pure extrapolation at i = 0, pure interpolation from i = 1 on).
+TEST(Tables, YarnCorrectionRangeAtItsClips) {
+  struct Expected {
+    int64_t i;
+    double inv_freq;
+  };
+  struct Case {
+    double beta_fast, beta_slow;
+    std::vector<Expected> expected;
+  };
+  const Case cases[] = {
+      {32.0,
+       1e-6,
+       {{0, 1.0},
+        {10, 0.056234132519034905},
+        {11, 0.04177182345283126},
+        {20, 0.002863949579020419},
+        {31, 0.00010693332239045522}}},
+      {658.4176333734474,
+       658.4176333734474,
+       {{0, 1.0}, {1, 0.37494710466622794}, {2, 0.28117066259517454}, {31, 6.66760716081662e-05}}},
+  };
+  for (const Case& c : cases) {
+    mlakv::YarnRopeConfig config = deepseek_v3();
+    config.factor = 2.0;
+    config.beta_fast = c.beta_fast;
+    config.beta_slow = c.beta_slow;
+    const std::vector<double> t = mlakv::yarn_cos_sin_table(config);
+    ASSERT_EQ(t.size(), static_cast<size_t>(4096 * 2 * kR));
+    for (const Expected& e : c.expected) {
+      const double got = std::atan2(at(t, 1, 32 + e.i), at(t, 1, e.i));
+      EXPECT_NEAR(got, e.inv_freq, 1e-15 * e.inv_freq + 1e-17)
+          << "beta_fast = " << c.beta_fast << ", i = " << e.i;
+    }
+  }
+}
+
+// vLLM sizes the table torch.arange(original * factor): the ceiling of a fractional product.
+TEST(Tables, YarnMaxPositionRoundsUp) {
+  mlakv::YarnRopeConfig c = deepseek_v3();
+  c.original_max_position = 4097;
+  c.factor = 1.5;
+  EXPECT_EQ(c.max_position(), 6146);
+  c.original_max_position = 3;
+  c.factor = 2.5;
+  EXPECT_EQ(c.max_position(), 8);
+  EXPECT_EQ(mlakv::yarn_cos_sin_table(c).size(), static_cast<size_t>(8 * kR));
+}
+
 TEST(Tables, YarnCosSinValues) {
   const std::vector<double> t = mlakv::yarn_cos_sin_table(deepseek_v3());
   struct Expected {

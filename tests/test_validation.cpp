@@ -10,6 +10,7 @@
 #include <memory>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "mlakv/mlakv.h"
@@ -1128,6 +1129,65 @@ TEST(Validation, ExtentLimits) {
   mlakv::KVCacheView huge;
   huge.num_blocks = huge.block_size = int64_t{1} << 40;
   EXPECT_EQ(huge.num_slots(), INT64_MAX);
+}
+
+// The cache-view helpers' geometry: every stride of both layouts, the accepted and rejected
+// block counts and sizes, and entry sizes whose L + R alone would overflow int64.
+TEST(Validation, CacheViewHelpers) {
+  int64_t dummy[4] = {};
+  const mlakv::KVCacheView fp16 =
+      mlakv::make_cache_view(dummy, CacheFormat::kFloat16, 3, 16, 512, 64);
+  EXPECT_EQ(fp16.data, static_cast<void*>(dummy));
+  EXPECT_EQ(fp16.num_blocks, 3);
+  EXPECT_EQ(fp16.block_size, 16);
+  EXPECT_EQ(fp16.kv_lora_rank, 512);
+  EXPECT_EQ(fp16.rope_dim, 64);
+  EXPECT_EQ(fp16.stride_token_bytes, 1152);
+  EXPECT_EQ(fp16.stride_block_bytes, 16 * 1152);
+  EXPECT_EQ(
+      mlakv::make_cache_view(dummy, CacheFormat::kFloat8E4M3, 3, 16, 512, 64).stride_block_bytes,
+      16 * 576);
+  EXPECT_EQ(mlakv::cache_bytes(CacheFormat::kFloat8E4M3, 3, 16, 512, 64), 3 * 16 * 576);
+
+  const mlakv::KVCacheView split =
+      mlakv::make_split_cache_view(dummy, dummy + 2, CacheFormat::kBFloat16, 3, 16, 512, 64);
+  EXPECT_EQ(split.data, static_cast<void*>(dummy));
+  EXPECT_EQ(split.rope_data, static_cast<void*>(dummy + 2));
+  EXPECT_EQ(split.stride_token_bytes, 1024);
+  EXPECT_EQ(split.stride_block_bytes, 16 * 1024);
+  EXPECT_EQ(split.stride_rope_token_bytes, 128);
+  EXPECT_EQ(split.stride_rope_block_bytes, 16 * 128);
+  const mlakv::KVCacheView split32 =
+      mlakv::make_split_cache_view(dummy, dummy + 2, CacheFormat::kFloat32, 2, 8, 256, 32);
+  EXPECT_EQ(split32.stride_token_bytes, 1024);
+  EXPECT_EQ(split32.stride_block_bytes, 8 * 1024);
+  EXPECT_EQ(split32.stride_rope_token_bytes, 128);
+  EXPECT_EQ(split32.stride_rope_block_bytes, 8 * 128);
+
+  // No block is a valid (empty) cache; a block of no entries is not.
+  EXPECT_EQ(mlakv::make_cache_view(dummy, CacheFormat::kBFloat16, 0, 16, 512, 64).num_blocks, 0);
+  EXPECT_EQ(
+      mlakv::make_split_cache_view(dummy, dummy, CacheFormat::kBFloat16, 0, 16, 512, 64).num_blocks,
+      0);
+  EXPECT_EQ(mlakv::cache_bytes(CacheFormat::kBFloat16, 0, 16, 512, 64), 0);
+  EXPECT_EQ(mlakv::cache_bytes(CacheFormat::kBFloat16, 4, 0, 512, 64), 0);
+  for (const auto& [blocks, block_size] : {std::pair<int64_t, int64_t>{2, 0}, {-1, 16}, {2, -1}}) {
+    EXPECT_THROW(mlakv::make_cache_view(dummy, CacheFormat::kBFloat16, blocks, block_size, 512, 64),
+                 mlakv::Error)
+        << blocks << " x " << block_size;
+    EXPECT_THROW(mlakv::make_split_cache_view(dummy, dummy, CacheFormat::kBFloat16, blocks,
+                                              block_size, 512, 64),
+                 mlakv::Error)
+        << blocks << " x " << block_size;
+  }
+  EXPECT_THROW(mlakv::cache_bytes(CacheFormat::kBFloat16, -1, 16, 512, 64), mlakv::Error);
+  EXPECT_THROW(mlakv::cache_bytes(CacheFormat::kBFloat16, 2, -1, 512, 64), mlakv::Error);
+
+  EXPECT_EQ(mlakv::cache_entry_bytes(CacheFormat::kFloat32, 512, 64), 2304);
+  EXPECT_EQ(mlakv::cache_entry_bytes(CacheFormat::kFloat8DsMla, 512, 64), 656);
+  EXPECT_THROW(mlakv::cache_entry_bytes(CacheFormat::kBFloat16, INT64_MAX, 1), mlakv::Error);
+  EXPECT_THROW(mlakv::cache_entry_bytes(CacheFormat::kBFloat16, 1, INT64_MAX), mlakv::Error);
+  EXPECT_THROW(mlakv::cache_entry_bytes(CacheFormat::kFloat8E4M3, -1, 64), mlakv::Error);
 }
 
 TEST(Validation, ErrorCountsArguments) {
