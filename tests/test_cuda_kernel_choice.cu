@@ -175,16 +175,17 @@ TEST_F(CudaFusedKernelChoice, RopeInCopyFromTheThreshold) {
   FusedSpec neox = spec_of("neox_at", Entry::kDecode, kMin, kMin);
   neox.style = RopeStyle::kNeox;
   cases.push_back({neox, "false, false"});
-  // fp32 rows: 16 heads' copy items of 8 slots fill the stage. 2 heads' items take 1 slot (a
-  // free one) on a GPU of 86 multiprocessors or more; on a smaller one, 2 (mla_rope_cache.cu
-  // slots_for sizes items by the resident warps).
+  // fp32 rows: 16 heads' copy items of 4 slots fill the stage (4 slots of 32-byte chunks). One
+  // head of L = 64 (4 rows an item, 32 rope chunks) takes 1 slot, a free one, on a GPU of 44
+  // multiprocessors or more; on a smaller one, 2 or more (mla_rope_cache.cu copy_fill_warps sizes
+  // items by the resident warps).
   FusedSpec fp32 = spec_of("fp32_h16_at", Entry::kDecode, kMin, kMin);
   fp32.shape = kDeepSeekV3Tp8;
   fp32.model = DType::kFloat32;
   cases.push_back({fp32, "false, false"});
-  if (cuda::multiprocessor_count() >= 86) {
-    fp32.name = "fp32_h2_at";
-    fp32.shape = kDeepSeekV3H2;
+  if (cuda::multiprocessor_count() >= 44) {
+    fp32.name = "fp32_h1_l64_at";
+    fp32.shape = ModelShape{"h1l64", 1, 64, 64, 128};
     cases.push_back({fp32, "false, true"});
   }
   expect_flags(cases);

@@ -28,15 +28,24 @@ int64_t stage_slots(int64_t elem_bytes) { return kStageBytes / (32 * 8 * elem_by
 int64_t resident_warps() { return int64_t{multiprocessor_count()} * kMlaResidentWarpsPerSm; }
 
 // Slots per lane for a list of `chunks` chunks: items as large as the stage allows (`most`), but
-// small enough that the list first fills half a wave of resident warps (a latency-bound launch is
-// fastest spread over every multiprocessor), in powers of two. Measured on the H200 (decode,
-// T = 1 .. 8192): items of 16 slots were up to 2x slower than 2-4 slots at T <= 128, and no
-// faster than 8 at T >= 2048.
-int64_t slots_for(int64_t chunks, int64_t most, int64_t wave_warps) {
+// small enough that the list first fills `fill_warps` warps, in powers of two. Measured on the
+// H200 (decode, T = 1 .. 8192): items of 16 slots were up to 2x slower than 2-4 slots at T <= 128,
+// and no faster than 8 at T >= 2048.
+int64_t slots_for(int64_t chunks, int64_t most, int64_t fill_warps) {
   int64_t slots = 1;
-  while (slots * 2 <= most && chunks >= 32 * slots * 2 * (wave_warps / 2)) slots *= 2;
+  while (slots * 2 <= most && chunks >= 32 * slots * 2 * fill_warps) slots *= 2;
   return slots;
 }
+
+// The warps a rope list fills first: half a wave (an item also waits for its position and its
+// cos/sin row, so a latency-bound launch is fastest spread over every multiprocessor).
+int64_t rope_fill_warps(int64_t wave_warps) { return wave_warps / 2; }
+
+// The warps a copy list fills first: a sixteenth of a wave. Its items only stream rows, and fewer,
+// larger ones leave the multiprocessors to the launch's chain items: on the H200 (run 82,
+// docs/perf-notes.md) decode copies of 8 slots a lane took decode_bf16 T = 8 / 32 from 3.77 / 5.37
+// to 3.59 / 5.20 us (decode_fp8 4.31 / 5.67 -> 4.14 / 5.57) against the half wave's 1 / 4 slots.
+int64_t copy_fill_warps(int64_t wave_warps) { return std::max<int64_t>(1, wave_warps / 16); }
 
 CopyList make_copy_list(const void* src, int64_t stride_src_token, int64_t stride_src_head,
                         void* dst, int64_t stride_dst_token, int64_t stride_dst_head,
@@ -59,7 +68,8 @@ CopyList make_copy_list(const void* src, int64_t stride_src_token, int64_t strid
   const int64_t cpr = ceil_div(row_elems, 8);
   MLAKV_CHECK(cpr < (int64_t{1} << 30), "mla_rope_cache: rows of ", row_elems,
               " elements are too long for one launch");
-  const int64_t slots = slots_for((c.row_end - c.row_begin) * cpr, most_slots, wave_warps);
+  const int64_t slots =
+      slots_for((c.row_end - c.row_begin) * cpr, most_slots, copy_fill_warps(wave_warps));
   const int64_t capacity = 32 * slots;  // chunks an item stages
   int64_t segments_per_row = 1;
   if (cpr <= capacity) {
@@ -145,7 +155,8 @@ MlaRopeCacheKernelParams make_params(const core::MlaRopeCacheArgs& a, bool apply
     // A rope item also waits for its position and cos/sin row: counted as 4x the work of its
     // bytes, and at least 2 slots (measured: 2-4 slots fastest at T <= 128, 8 at T >= 2048).
     const int64_t slots = std::clamp<int64_t>(
-        std::min(std::max<int64_t>(2, slots_for(4 * rope_tokens * H * cph, item_slots, wave_warps)),
+        std::min(std::max<int64_t>(2, slots_for(4 * rope_tokens * H * cph, item_slots,
+                                                rope_fill_warps(wave_warps))),
                  ceil_div(H, hps)),
         1, item_slots);
     p.rope_chunk_slots = static_cast<int32_t>(slots);
