@@ -39,6 +39,9 @@ std::vector<bool> bad_position_tokens(const FusedSpec& s) {
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+// The decode and prefill entry points fix Td (ops.h): they ignore a device Td.
+bool entry_reads_device_td(Entry entry) { return entry == Entry::kFused || entry == Entry::kMixed; }
+
 void fill_table(const Tensor& table, int64_t R) {
   const int64_t half = R / 2;
   auto& h = table.buffer->host;
@@ -54,15 +57,6 @@ void fill_table(const Tensor& table, int64_t R) {
   }
 }
 
-Tensor rows_tensor(Device dev, DType dtype, int64_t rows, int64_t cols, int64_t pad) {
-  return new_strided_tensor(dev, dtype, rows * (cols + pad), {rows, cols}, {cols + pad, 1});
-}
-
-Tensor heads_tensor(Device dev, DType dtype, int64_t rows, int64_t H, int64_t cols, int64_t pad) {
-  return new_strided_tensor(dev, dtype, rows * (H * cols + pad), {rows, H, cols},
-                            {H * cols + pad, cols, 1});
-}
-
 }  // namespace
 
 void PrintTo(const FusedSpec& spec, std::ostream* os) { *os << spec.name; }
@@ -71,7 +65,8 @@ std::vector<int32_t> planned_error_counts(const FusedSpec& spec) {
   std::vector<int32_t> counts(kNumErrorCounters, 0);
   for (Kind k : slot_kinds(spec)) counts[kBadSlot] += k == Kind::kBadSlot;
   for (bool b : bad_position_tokens(spec)) counts[kBadPosition] += b;
-  if (spec.device_td && (spec.device_td_value < 0 || spec.device_td_value > spec.T)) {
+  if (spec.device_td && entry_reads_device_td(spec.entry) &&
+      (spec.device_td_value < 0 || spec.device_td_value > spec.T)) {
     counts[kBadDecodeCount] = 1;
   }
   return counts;
@@ -163,13 +158,13 @@ FusedProblem::FusedProblem(const FusedSpec& s, Device dev) : spec(s), device(dev
 
   // K side.
   if (spec.kv_a_fused) {
-    Tensor kv_a = rows_tensor(dev, model, rows, L + R, pad);
+    Tensor kv_a = padded_rows(dev, model, rows, L + R, pad);
     kv_c = kv_a.view(0, {rows, L}, {L + R + pad, 1});
     k_pe = kv_a.view(L, {rows, R}, {L + R + pad, 1});
     fill_random(*kv_a.buffer, model, rng, spec.amplitude);
   } else {
-    kv_c = rows_tensor(dev, model, rows, L, pad);
-    k_pe = rows_tensor(dev, model, rows, R, pad);
+    kv_c = padded_rows(dev, model, rows, L, pad);
+    k_pe = padded_rows(dev, model, rows, R, pad);
     fill_random(*kv_c.buffer, model, rng, spec.amplitude);
     fill_random(*k_pe.buffer, model, rng, spec.amplitude);
   }
@@ -184,21 +179,21 @@ FusedProblem::FusedProblem(const FusedSpec& s, Device dev) : spec(s), device(dev
     fill_random(*weight.buffer, model, rng, 1.5f);
   }
   if (spec.k_pe_out) {
-    k_pe_out = spec.outs_in_place ? k_pe : rows_tensor(dev, model, rows, R, pad);
+    k_pe_out = spec.outs_in_place ? k_pe : padded_rows(dev, model, rows, R, pad);
     if (!spec.outs_in_place) fill_bytes(*k_pe_out.buffer, kPoisonByte);
   }
   if (spec.kv_c_out) {
-    kv_c_out = spec.outs_in_place ? kv_c : rows_tensor(dev, model, rows, L, pad);
+    kv_c_out = spec.outs_in_place ? kv_c : padded_rows(dev, model, rows, L, pad);
     if (!spec.outs_in_place) fill_bytes(*kv_c_out.buffer, kPoisonByte);
   }
 
   // Prefill q (also the home of the decode q_pe when q_pe_in_q).
   if (spec.prefill_q || spec.q_pe_in_q) {
-    q = heads_tensor(dev, model, rows, H, P + R, pad);
+    q = padded_heads(dev, model, rows, H, P + R, pad);
     fill_random(*q.buffer, model, rng, spec.amplitude);
   }
   if (spec.prefill_q && spec.prefill_out) {
-    q_prefill_out = heads_tensor(dev, model, rows, H, P + R, pad);
+    q_prefill_out = padded_heads(dev, model, rows, H, P + R, pad, spec.out_head_pad);
     fill_bytes(*q_prefill_out.buffer, kPoisonByte);
   }
 
@@ -212,13 +207,13 @@ FusedProblem::FusedProblem(const FusedSpec& s, Device dev) : spec(s), device(dev
       q_pe = new_strided_tensor(dev, model, H * qrows * R, {qrows, H, R}, {R, qrows * R, 1});
       fill_random(*q_pe.buffer, model, rng, spec.amplitude);
     } else {
-      q_pe = heads_tensor(dev, model, qrows, H, R, pad);
+      q_pe = padded_heads(dev, model, qrows, H, R, pad);
       fill_random(*q_pe.buffer, model, rng, spec.amplitude);
     }
-    q_out = heads_tensor(dev, qd, qrows, H, L + R, pad);
+    q_out = padded_heads(dev, qd, qrows, H, L + R, pad, spec.out_head_pad);
     if (spec.nope == Nope::kCopy) {
       fill_bytes(*q_out.buffer, kPoisonByte);
-      ql_nope = heads_tensor(dev, model, qrows, H, L, pad);
+      ql_nope = padded_heads(dev, model, qrows, H, L, pad);
       fill_random(*ql_nope.buffer, model, rng, spec.amplitude);
     } else {
       // The absorb GEMM's output already sits in q_out's nope part; it must stay as it is.
@@ -257,7 +252,8 @@ MlaRopeCacheParams FusedProblem::params(bool host) const {
   p.num_tokens = spec.T;
   p.num_decode_tokens = spec.Td;
   if (host) p.num_decode_tokens = effective_host_td();
-  if (device_td.present())
+  // The library gets the device Td whatever the entry point; the reference only where it is read.
+  if (device_td.present() && (!host || entry_reads_device_td(spec.entry)))
     p.num_decode_tokens_device = static_cast<const int32_t*>(v(device_td).data);
   p.positions = v(positions);
   p.slot_mapping = v(slot_mapping);

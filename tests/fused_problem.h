@@ -69,12 +69,13 @@ struct FusedSpec {
   bool q_pe_head_major = false;    // q_pe [rows, H, R] viewed from a [H, rows, R] buffer
   bool index32 = false;            // int32 positions and slots
   bool decode_rows_exact = false;  // decode-only tensors have exactly Td rows (host Td)
+  int64_t out_head_pad = 0;        // extra elements after every head of q_out / q_prefill_out
 
   // Safety.
   int64_t padding_every = 0;  // every k-th token (k > 0) is padding (slot -1)
   int64_t bad_slots = 0;      // number of tokens with a slot past the cache end
   int64_t bad_positions = 0;  // number of tokens with a position outside the table
-  bool device_td = false;
+  bool device_td = false;     // given to every entry point; kDecode / kPrefill must ignore it
   int32_t device_td_value = 0;
   uint64_t seed = 1;
 };

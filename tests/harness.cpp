@@ -125,6 +125,18 @@ Tensor new_strided_tensor(Device device, DType dtype, int64_t total_elems,
   return t;
 }
 
+Tensor padded_rows(Device device, DType dtype, int64_t rows, int64_t cols, int64_t row_pad,
+                   int64_t offset) {
+  const int64_t row = cols + row_pad;
+  return new_strided_tensor(device, dtype, offset + rows * row, {rows, cols}, {row, 1}, offset);
+}
+
+Tensor padded_heads(Device device, DType dtype, int64_t rows, int64_t H, int64_t cols,
+                    int64_t row_pad, int64_t head_pad) {
+  const int64_t head = cols + head_pad, row = H * head + row_pad;
+  return new_strided_tensor(device, dtype, rows * row, {rows, H, cols}, {row, head, 1});
+}
+
 // ---- fills -------------------------------------------------------------------------------------
 void fill_random(Buffer& buffer, DType dtype, std::mt19937_64& rng, float amplitude) {
   std::uniform_real_distribution<float> dist(-amplitude, amplitude);
@@ -163,17 +175,23 @@ void set_scalar_f32(const Tensor& tensor, float value) {
 
 Tensor random_tensor(Device device, DType dtype, std::vector<int64_t> shape, std::mt19937_64& rng,
                      float amplitude) {
-  Tensor t = new_tensor(device, dtype, std::move(shape));
-  fill_random(*t.buffer, dtype, rng, amplitude);
-  t.buffer->upload();
-  return t;
+  return randomized(new_tensor(device, dtype, std::move(shape)), rng, amplitude);
 }
 
 Tensor poisoned_tensor(Device device, DType dtype, std::vector<int64_t> shape) {
-  Tensor t = new_tensor(device, dtype, std::move(shape));
-  fill_bytes(*t.buffer, kPoisonByte);
-  t.buffer->upload();
-  return t;
+  return poisoned(new_tensor(device, dtype, std::move(shape)));
+}
+
+Tensor randomized(Tensor tensor, std::mt19937_64& rng, float amplitude) {
+  fill_random(*tensor.buffer, tensor.dtype, rng, amplitude);
+  tensor.buffer->upload();
+  return tensor;
+}
+
+Tensor poisoned(Tensor tensor) {
+  fill_bytes(*tensor.buffer, kPoisonByte);
+  tensor.buffer->upload();
+  return tensor;
 }
 
 Tensor index_tensor(Device device, DType dtype, const std::vector<int64_t>& values) {
@@ -379,6 +397,59 @@ std::string counts_to_string(const std::vector<int32_t>& counts) {
     os << (i ? ", " : "") << error_counter_name(static_cast<int32_t>(i)) << "=" << counts[i];
   }
   return os.str();
+}
+
+namespace {
+
+// `fill(params, on_host)` sets one side's params; `reference` runs on the host side's, `op` (the
+// backend) on the device side's.
+template <typename Params, typename Fill, typename Ref, typename Op>
+BothCounts run_both(Device device, Fill fill, Ref reference, Op op) {
+  Params host, dev;
+  fill(host, true);
+  fill(dev, false);
+  std::vector<int32_t> expected(kNumErrorCounters, 0);
+  reference(host, expected.data());
+  ErrorCounts counts(device);
+  Context ctx;
+  ctx.error_counts = counts.device_ptr();
+  op(dev, ctx);
+  return {expected, counts.read()};
+}
+
+}  // namespace
+
+BothCounts gather_slots_both(const TestCache& cache, int64_t num_tokens, const Tensor& slots,
+                             const Tensor& out) {
+  auto fill = [&](GatherCacheSlotsParams& p, bool on_host) {
+    p.num_tokens = num_tokens;
+    p.kv_cache = on_host ? cache.host_view() : cache.device_view();
+    p.slots = on_host ? slots.host_view() : slots.device_view();
+    p.out = on_host ? out.host_view() : out.device_view();
+  };
+  return run_both<GatherCacheSlotsParams>(
+      cache.data->device(), fill,
+      [](const GatherCacheSlotsParams& p, int32_t* c) { ref::gather_cache_slots(p, c); },
+      [](const GatherCacheSlotsParams& p, const Context& ctx) { gather_cache_slots(p, ctx); });
+}
+
+BothCounts gather_sequences_both(const TestCache& cache, int64_t num_seqs,
+                                 const Tensor& block_table, const Tensor& cu_seq_lens,
+                                 const Tensor& out) {
+  auto fill = [&](GatherCacheSequencesParams& p, bool on_host) {
+    auto v = [&](const Tensor& t) { return on_host ? t.host_view() : t.device_view(); };
+    p.num_seqs = num_seqs;
+    p.kv_cache = on_host ? cache.host_view() : cache.device_view();
+    p.block_table = v(block_table);
+    p.cu_seq_lens = v(cu_seq_lens);
+    p.out = v(out);
+  };
+  return run_both<GatherCacheSequencesParams>(
+      cache.data->device(), fill,
+      [](const GatherCacheSequencesParams& p, int32_t* c) { ref::gather_cache_sequences(p, c); },
+      [](const GatherCacheSequencesParams& p, const Context& ctx) {
+        gather_cache_sequences(p, ctx);
+      });
 }
 
 }  // namespace test

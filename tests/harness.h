@@ -85,6 +85,13 @@ Tensor new_tensor(Device device, DType dtype, std::vector<int64_t> shape);
 Tensor new_strided_tensor(Device device, DType dtype, int64_t total_elems,
                           std::vector<int64_t> shape, std::vector<int64_t> stride,
                           int64_t offset = 0);
+// Row-major [rows, cols] whose rows end with `row_pad` unused elements, `offset` elements in
+// front; [rows, H, cols] whose heads also end with `head_pad` (the strides of an engine's padded
+// or sliced tensors). The buffer is zeroed: fill it before use.
+Tensor padded_rows(Device device, DType dtype, int64_t rows, int64_t cols, int64_t row_pad,
+                   int64_t offset = 0);
+Tensor padded_heads(Device device, DType dtype, int64_t rows, int64_t H, int64_t cols,
+                    int64_t row_pad, int64_t head_pad = 0);
 
 // ---- fills -------------------------------------------------------------------------------------
 // Random values of `dtype` in [-amplitude, amplitude] over the WHOLE buffer (gaps included),
@@ -99,6 +106,10 @@ void set_scalar_f32(const Tensor& tensor, float value);
 Tensor random_tensor(Device device, DType dtype, std::vector<int64_t> shape, std::mt19937_64& rng,
                      float amplitude = 2.0f);
 Tensor poisoned_tensor(Device device, DType dtype, std::vector<int64_t> shape);
+// The same fills of a tensor made another way (padded_rows, padded_heads): its whole buffer, then
+// uploaded.
+Tensor randomized(Tensor tensor, std::mt19937_64& rng, float amplitude = 2.0f);
+Tensor poisoned(Tensor tensor);
 Tensor index_tensor(Device device, DType dtype, const std::vector<int64_t>& values);
 
 // ---- comparisons -------------------------------------------------------------------------------
@@ -158,6 +169,18 @@ struct ErrorCounts {
   Tensor tensor;
 };
 std::string counts_to_string(const std::vector<int32_t>& counts);
+
+// ---- the cache read-back on both sides ---------------------------------------------------------
+// Runs a gather op on the reference (host views: the mirrors become the expected bytes) and on the
+// backend (device views, counting into a fresh ErrorCounts); both sides' counters.
+struct BothCounts {
+  std::vector<int32_t> expected, got;
+};
+BothCounts gather_slots_both(const TestCache& cache, int64_t num_tokens, const Tensor& slots,
+                             const Tensor& out);
+BothCounts gather_sequences_both(const TestCache& cache, int64_t num_seqs,
+                                 const Tensor& block_table, const Tensor& cu_seq_lens,
+                                 const Tensor& out);
 
 }  // namespace test
 }  // namespace mlakv

@@ -2,10 +2,13 @@
 // tokens) must succeed and write nothing: every output keeps its poison, the cache its sentinel and
 // the counters stay 0, independently of the reference. gather_cache_sequences with sequences
 // longer than their block-table row: the rows past the row's coverage are zeros and counted, rows
-// at or past out.shape[0] are never written, and an empty block table (null data) reads nothing.
+// at or past out.shape[0] are never written, an empty block table (null data) reads nothing, and a
+// sequence whose start is negative (outside the contract) is skipped. ctx.num_threads above the
+// hardware's is capped.
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -82,6 +85,27 @@ TEST_P(ZeroTokens, FusedWritesNothing) {
         EXPECT_TRUE(buffer_unchanged(*t->buffer, "an output or input"));
       }
     }
+    expect_cache_untouched(problem.cache);
+  }
+}
+
+// A device Td left over from an earlier batch (outside [0, 0]) with T = 0: still nothing happens,
+// and nothing is counted (the backends return before reading it; the reference would count it).
+TEST_P(ZeroTokens, FusedStaleDeviceTdNotCounted) {
+  const Device dev = GetParam().device;
+  for (int32_t td : {5, -2}) {
+    FusedSpec s;
+    s.name = "T0_stale_device_td_" + std::to_string(td);
+    s.T = 0;
+    s.Td = 0;
+    s.entry = Entry::kMixed;
+    s.device_td = true;
+    s.device_td_value = td;
+    s.seed = 920;
+    SCOPED_TRACE(s.name);
+    FusedProblem problem(s, dev);
+    EXPECT_EQ(counts_to_string(problem.run_library()), kNoErrors) << "error counters";
+    problem.expect_matches();  // the reference did not run: every buffer as it was
     expect_cache_untouched(problem.cache);
   }
 }
@@ -209,28 +233,58 @@ TEST_P(ZeroTokens, GatherCacheSlotsWritesNothing) {
   for (DType od : {DType::kBFloat16, DType::kFloat32}) {
     SCOPED_TRACE(dtype_name(od));
     Tensor out = poisoned_tensor(dev, od, {3, D});
-    GatherCacheSlotsParams host, device;
-    for (auto [p, on_host] : {std::pair{&host, true}, std::pair{&device, false}}) {
-      auto v = [&](const Tensor& t) { return on_host ? t.host_view() : t.device_view(); };
-      p->num_tokens = 0;
-      p->kv_cache = on_host ? cache.host_view() : cache.device_view();
-      p->slots = v(slots);
-      p->out = v(out);
-    }
-    std::vector<int32_t> expected(kNumErrorCounters, 0);
-    ref::gather_cache_slots(host, expected.data());
-    ErrorCounts counts(dev);
-    Context ctx;
-    ctx.error_counts = counts.device_ptr();
-    gather_cache_slots(device, ctx);
-    EXPECT_EQ(counts_to_string(expected), kNoErrors);
-    EXPECT_EQ(counts_to_string(counts.read()), kNoErrors);
+    const BothCounts counts = gather_slots_both(cache, 0, slots, out);
+    EXPECT_EQ(counts_to_string(counts.expected), kNoErrors);
+    EXPECT_EQ(counts_to_string(counts.got), kNoErrors);
     EXPECT_TRUE(buffer_unchanged(*out.buffer, "out"));
     expect_cache_untouched(cache);
   }
 }
 
 INSTANTIATE_TEST_SUITE_P(All, ZeroTokens, testing::ValuesIn(all_backends()), backend_param_name);
+
+// ---- helpers of the gather cases ---------------------------------------------------------------
+// A bf16 cache of `num_blocks` blocks of 4 tokens whose every slot holds a real entry (written by
+// the reference from random values).
+TestCache entries_cache(Device dev, int64_t num_blocks, std::mt19937_64& rng) {
+  CacheGeometry g;
+  g.block_size = 4;
+  g.num_blocks = num_blocks;
+  TestCache cache = new_cache(dev, g);
+  fill_cache_with_entries(dev, cache, rng);
+  return cache;
+}
+
+// The bytes of `slot`'s row in an `od` output: a one-slot gather of the reference.
+std::vector<uint8_t> reference_row(const TestCache& cache, int64_t slot, DType od) {
+  const Device host{};
+  Tensor one_slot = index_tensor(host, DType::kInt64, {slot});
+  Tensor one_row = new_tensor(host, od, {1, cache.geometry.L + cache.geometry.R});
+  GatherCacheSlotsParams p;
+  p.num_tokens = 1;
+  p.kv_cache = cache.host_view();
+  p.slots = one_slot.host_view();
+  p.out = one_row.host_view();
+  ref::gather_cache_slots(p);
+  return one_row.buffer->host;
+}
+
+// gather_cache_sequences on the backend alone (cases the reference does not cover); its counters.
+std::vector<int32_t> gather_sequences_on(const TestCache& cache, int64_t num_seqs,
+                                         const TensorView& block_table, const Tensor& cu_seq_lens,
+                                         const Tensor& out) {
+  ErrorCounts counts(cache.data->device());
+  GatherCacheSequencesParams p;
+  p.num_seqs = num_seqs;
+  p.kv_cache = cache.device_view();
+  p.block_table = block_table;
+  p.cu_seq_lens = cu_seq_lens.device_view();
+  p.out = out.device_view();
+  Context ctx;
+  ctx.error_counts = counts.device_ptr();
+  gather_cache_sequences(p, ctx);
+  return counts.read();
+}
 
 // ---- gather_cache_sequences past the block-table row -------------------------------------------
 // ops.h: token i of sequence b lives in block block_table[b, i / block_size]; a block id outside
@@ -243,13 +297,8 @@ TEST_P(GatherPastTable, ZerosCountedAndOutputBounded) {
   const Device dev = std::get<0>(GetParam()).device;
   const DType od = std::get<1>(GetParam());
   std::mt19937_64 rng(905);
-  CacheGeometry g;
-  g.block_size = 4;
-  g.num_blocks = 12;
-  TestCache cache = new_cache(dev, g);
-  const int64_t bs = g.block_size, D = g.L + g.R;
-  // Every slot holds a real entry (written by the reference from random values).
-  fill_cache_with_entries(dev, cache, rng);
+  TestCache cache = entries_cache(dev, 12, rng);
+  const int64_t bs = cache.geometry.block_size, D = cache.geometry.L + cache.geometry.R;
   // max_blocks_per_seq = 2 covers 8 tokens. Sequence 0 has 11 (3 rows past its row), sequence 1
   // has 8 (exactly covered), sequence 2 has 10 (2 past), the last has 6, of which only 3 fit in
   // out. Every table entry, the spare row after the last sequence included, is a valid block, so
@@ -262,27 +311,15 @@ TEST_P(GatherPastTable, ZerosCountedAndOutputBounded) {
   const int64_t out_rows = cu[B] - 3;
   Tensor block_table = new_tensor(dev, DType::kInt32, {B + 1, max_blocks});
   std::vector<int64_t> table_values(static_cast<size_t>((B + 1) * max_blocks));
-  std::uniform_int_distribution<int64_t> any_block(0, g.num_blocks - 1);
+  std::uniform_int_distribution<int64_t> any_block(0, cache.geometry.num_blocks - 1);
   for (auto& b : table_values) b = any_block(rng);
   set_indices(block_table.view(0, {(B + 1) * max_blocks}, {1}), table_values);
   block_table.buffer->upload();
   Tensor cu_seq_lens = index_tensor(dev, DType::kInt32, cu);
   // The buffer has 4 more rows past the view: the last sequence's rows past out.shape[0] and
   // beyond must stay poisoned.
-  Tensor out = new_strided_tensor(dev, od, (out_rows + 4) * D, {out_rows, D}, {D, 1});
-  fill_bytes(*out.buffer, kPoisonByte);
-  out.buffer->upload();
-  ErrorCounts counts(dev);
-
-  GatherCacheSequencesParams host, device;
-  for (auto [p, on_host] : {std::pair{&host, true}, std::pair{&device, false}}) {
-    auto v = [&](const Tensor& t) { return on_host ? t.host_view() : t.device_view(); };
-    p->num_seqs = B;
-    p->kv_cache = on_host ? cache.host_view() : cache.device_view();
-    p->block_table = v(block_table);
-    p->cu_seq_lens = v(cu_seq_lens);
-    p->out = v(out);
-  }
+  Tensor out = poisoned(padded_rows(dev, od, out_rows + 4, D, 0));
+  out = out.view(0, {out_rows, D}, out.stride);
 
   // The contract, independently of the reference: which rows are zeros, which are entries.
   const int64_t elem = dtype_size(od);
@@ -297,30 +334,19 @@ TEST_P(GatherPastTable, ZerosCountedAndOutputBounded) {
         continue;
       }
       const int64_t slot = table_values[b * max_blocks + i / bs] * bs + i % bs;
-      // Entries are read back by a one-slot gather of the reference.
-      Tensor one_slot = index_tensor(dev, DType::kInt64, {slot});
-      Tensor one_row = new_tensor(dev, od, {1, D});
-      GatherCacheSlotsParams p;
-      p.num_tokens = 1;
-      p.kv_cache = cache.host_view();
-      p.slots = one_slot.host_view();
-      p.out = one_row.host_view();
-      ref::gather_cache_slots(p);
-      std::copy(one_row.buffer->host.begin(), one_row.buffer->host.end(), row);
+      const std::vector<uint8_t> entry = reference_row(cache, slot, od);
+      std::copy(entry.begin(), entry.end(), row);
     }
   }
   EXPECT_EQ(planned_bad, 3 + 2);
 
-  std::vector<int32_t> expected(kNumErrorCounters, 0);
-  ref::gather_cache_sequences(host, expected.data());
-  EXPECT_EQ(expected[kBadBlockIndex], planned_bad) << "the reference's count disagrees with ops.h";
+  const BothCounts counts = gather_sequences_both(cache, B, block_table, cu_seq_lens, out);
+  EXPECT_EQ(counts.expected[kBadBlockIndex], planned_bad)
+      << "the reference's count disagrees with ops.h";
   EXPECT_TRUE(bytes_equal(out.buffer->host, planned, "reference out vs ops.h"));
-  Context ctx;
-  ctx.error_counts = counts.device_ptr();
-  gather_cache_sequences(device, ctx);
   std::vector<int32_t> planned_counts(kNumErrorCounters, 0);
   planned_counts[kBadBlockIndex] = planned_bad;
-  EXPECT_EQ(counts_to_string(counts.read()), counts_to_string(planned_counts));
+  EXPECT_EQ(counts_to_string(counts.got), counts_to_string(planned_counts));
   EXPECT_TRUE(bytes_equal(out.buffer->download(), planned, "out"));
   EXPECT_TRUE(buffer_unchanged(*cache.data, "kv_cache"));
   EXPECT_TRUE(buffer_unchanged(*block_table.buffer, "block_table"));
@@ -346,12 +372,8 @@ TEST_P(GatherEmptyTable, NullTableData) {
   const Device dev = GetParam().device;
   const DType od = DType::kFloat32;
   std::mt19937_64 rng(906);
-  CacheGeometry g;
-  g.block_size = 4;
-  g.num_blocks = 6;
-  TestCache cache = new_cache(dev, g);
-  fill_cache_with_entries(dev, cache, rng);
-  const int64_t D = g.L + g.R;
+  TestCache cache = entries_cache(dev, 6, rng);
+  const int64_t D = cache.geometry.L + cache.geometry.R;
   const int64_t elem = dtype_size(od);
   struct Case {
     std::vector<int64_t> cu;  // cu_seq_lens: B + 1 values
@@ -363,33 +385,65 @@ TEST_P(GatherEmptyTable, NullTableData) {
     SCOPED_TRACE("B = " + std::to_string(B) + ", block_table [B, " + std::to_string(c.table_cols) +
                  "], out rows " + std::to_string(c.out_rows));
     Tensor cu_seq_lens = index_tensor(dev, DType::kInt32, c.cu);
-    Tensor out = new_tensor(dev, od, {c.out_rows, D});
-    fill_bytes(*out.buffer, kPoisonByte);
-    out.buffer->upload();
-    ErrorCounts counts(dev);
-    GatherCacheSequencesParams p;
-    p.num_seqs = B;
-    p.kv_cache = cache.device_view();
-    p.block_table = make_strided_view(nullptr, DType::kInt32, {B, c.table_cols},
-                                      {std::max<int64_t>(c.table_cols, 1), 1}, dev);
-    p.cu_seq_lens = cu_seq_lens.device_view();
-    p.out = out.device_view();
-    Context ctx;
-    ctx.error_counts = counts.device_ptr();
-    gather_cache_sequences(p, ctx);
+    Tensor out = poisoned_tensor(dev, od, {c.out_rows, D});
+    const TensorView null_table = make_strided_view(nullptr, DType::kInt32, {B, c.table_cols},
+                                                    {std::max<int64_t>(c.table_cols, 1), 1}, dev);
+    const std::vector<int32_t> counts = gather_sequences_on(cache, B, null_table, cu_seq_lens, out);
 
     std::vector<uint8_t> planned = out.buffer->initial;
     const int64_t rows = std::min(c.cu.back(), c.out_rows);
     std::fill(planned.begin(), planned.begin() + rows * D * elem, uint8_t{0});
     std::vector<int32_t> planned_counts(kNumErrorCounters, 0);
     planned_counts[kBadBlockIndex] = static_cast<int32_t>(rows);
-    EXPECT_EQ(counts_to_string(counts.read()), counts_to_string(planned_counts));
+    EXPECT_EQ(counts_to_string(counts), counts_to_string(planned_counts));
     EXPECT_TRUE(bytes_equal(out.buffer->download(), planned, "out"));
     EXPECT_TRUE(buffer_unchanged(*cache.data, "kv_cache"));
   }
 }
 
 INSTANTIATE_TEST_SUITE_P(All, GatherEmptyTable, testing::ValuesIn(all_backends()),
+                         backend_param_name);
+
+// ---- gather_cache_sequences with a negative sequence start -------------------------------------
+// ops.h asks for cu_seq_lens[0] = 0; device data may still break that (a stale graph input). A
+// sequence whose start is negative is skipped whole on every backend: nothing is written before
+// out's first row (the buffer has poisoned rows there), its rows in out keep their contents, it is
+// not counted, and the sequences after it are read as usual. Independently of the reference,
+// which assumes the contract.
+class GatherNegativeStart : public testing::TestWithParam<Backend> {};
+
+TEST_P(GatherNegativeStart, SequenceSkippedNothingWrittenBeforeOut) {
+  const Device dev = GetParam().device;
+  const DType od = DType::kFloat32;
+  std::mt19937_64 rng(909);
+  TestCache cache = entries_cache(dev, 6, rng);
+  const int64_t bs = cache.geometry.block_size, D = cache.geometry.L + cache.geometry.R;
+  const int64_t elem = dtype_size(od);
+  // Sequence 0 starts at -3 (its 5 tokens would be rows -3 .. 1), sequence 1 is rows 2 .. 5.
+  const std::vector<int64_t> cu = {-3, 2, 6};
+  const std::vector<int64_t> table_values = {1, 4, 5, 2};  // block_table [2, 2]
+  Tensor cu_seq_lens = index_tensor(dev, DType::kInt32, cu);
+  Tensor block_table = new_tensor(dev, DType::kInt32, {2, 2});
+  set_indices(block_table.view(0, {4}, {1}), table_values);
+  block_table.buffer->upload();
+  // out [6, D] starts 4 rows into its buffer.
+  const int64_t rows = 6, before = 4;
+  Tensor out = poisoned(padded_rows(dev, od, rows, D, 0, before * D));
+  const std::vector<int32_t> counts =
+      gather_sequences_on(cache, 2, block_table.device_view(), cu_seq_lens, out);
+
+  std::vector<uint8_t> planned = out.buffer->initial;
+  for (int64_t i = 0; i < cu[2] - cu[1]; ++i) {
+    const std::vector<uint8_t> entry =
+        reference_row(cache, table_values[2 + i / bs] * bs + i % bs, od);
+    std::copy(entry.begin(), entry.end(), planned.begin() + (before + cu[1] + i) * D * elem);
+  }
+  EXPECT_EQ(counts_to_string(counts), kNoErrors);
+  EXPECT_TRUE(bytes_equal(out.buffer->download(), planned, "out"));
+  EXPECT_TRUE(buffer_unchanged(*cache.data, "kv_cache"));
+}
+
+INSTANTIATE_TEST_SUITE_P(All, GatherNegativeStart, testing::ValuesIn(all_backends()),
                          backend_param_name);
 
 // ---- rms_norm with eps = 0 ---------------------------------------------------------------------
@@ -436,10 +490,10 @@ INSTANTIATE_TEST_SUITE_P(All, RmsNormEpsZero, testing::ValuesIn(all_backends()),
 
 // ---- ctx.num_threads above the hardware's ------------------------------------------------------
 // context.h: more threads than the hardware has count as all of them (never handed to the OpenMP
-// runtime as asked). A row block large enough to run in parallel gives the default's bytes.
-TEST(CpuThreads, CountAboveTheHardwareIsCapped) {
-  std::mt19937_64 rng(907);
-  const int64_t T = 2048, N = 1024;
+// runtime as asked). rms_norm over [T, N] with the default count and with `requested` threads:
+// the same bytes.
+void expect_thread_count_capped(int64_t T, int64_t N, int requested, uint64_t seed) {
+  std::mt19937_64 rng(seed);
   Tensor input = random_tensor(Device{}, DType::kBFloat16, {T, N}, rng, 3.0f);
   Tensor weight = random_tensor(Device{}, DType::kBFloat16, {N}, rng, 1.5f);
   Tensor outputs[2] = {poisoned_tensor(Device{}, DType::kBFloat16, {T, N}),
@@ -451,10 +505,21 @@ TEST(CpuThreads, CountAboveTheHardwareIsCapped) {
     p.weight = weight.host_view();
     p.output = outputs[k].host_view();
     Context ctx;
-    ctx.num_threads = k == 0 ? 0 : 1 << 20;
+    ctx.num_threads = k == 0 ? 0 : requested;
     rms_norm(p, ctx);
   }
   EXPECT_TRUE(bytes_equal(outputs[1].buffer->host, outputs[0].buffer->host, "output"));
+}
+
+// A row block large enough to run in parallel.
+TEST(CpuThreads, CountAboveTheHardwareIsCapped) {
+  expect_thread_count_capped(2048, 1024, 1 << 20, 907);
+}
+
+// Rows that alone would ask for more threads than the system can start (2^18 rows of 8 values:
+// every row its own work item); the runtime would abort if the count reached it uncapped.
+TEST(CpuThreads, CountAboveTheSystemsThreadsIsCapped) {
+  expect_thread_count_capped(int64_t{1} << 18, 8, INT32_MAX, 910);
 }
 
 }  // namespace

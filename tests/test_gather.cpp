@@ -22,6 +22,11 @@ struct GatherCase {
   bool split;
   int64_t L, R, block_size;
   DType out_dtype;
+  // out's rows at a stride of L + R + out_row_pad, starting out_row_pad elements into the buffer
+  // (the gaps stay poisoned); the block table a column view of a table with this many more
+  // columns of valid block ids (a read at the wrong place copies a real entry, not zeros).
+  int64_t out_row_pad = 0;
+  int64_t table_extra_cols = 0;
 };
 void PrintTo(const GatherCase& c, std::ostream* os) { *os << c.name; }
 
@@ -60,28 +65,12 @@ TEST_P(GatherCache, SlotsMatchReference) {
   slot_values[10] = n + 5;                                      // likewise
   slot_values[11] = slot_values[12];                            // repeats are fine
   for (int64_t i = N; i < rows; ++i) slot_values[i] = n + 100;  // rows >= N: never read
-  Tensor slots = new_tensor(dev, DType::kInt32, {rows});
-  set_indices(slots, slot_values);
-  Tensor out = new_tensor(dev, c.out_dtype, {rows, D});
-  fill_bytes(*out.buffer, kPoisonByte);
-  ErrorCounts counts(dev);
-  slots.buffer->upload();
-  out.buffer->upload();
+  Tensor slots = index_tensor(dev, DType::kInt32, slot_values);
+  Tensor out = poisoned(padded_rows(dev, c.out_dtype, rows, D, c.out_row_pad, c.out_row_pad));
 
-  GatherCacheSlotsParams host, device;
-  for (auto [p, on_host] : {std::pair{&host, true}, std::pair{&device, false}}) {
-    p->num_tokens = N;
-    p->kv_cache = on_host ? cache.host_view() : cache.device_view();
-    p->slots = on_host ? slots.host_view() : slots.device_view();
-    p->out = on_host ? out.host_view() : out.device_view();
-  }
-  std::vector<int32_t> expected(kNumErrorCounters, 0);
-  ref::gather_cache_slots(host, expected.data());
-  Context ctx;
-  ctx.error_counts = counts.device_ptr();
-  gather_cache_slots(device, ctx);
-  EXPECT_EQ(expected[kBadSlot], 2);
-  EXPECT_EQ(counts_to_string(counts.read()), counts_to_string(expected));
+  const BothCounts counts = gather_slots_both(cache, N, slots, out);
+  EXPECT_EQ(counts.expected[kBadSlot], 2);
+  EXPECT_EQ(counts_to_string(counts.got), counts_to_string(counts.expected));
   EXPECT_TRUE(buffer_matches(*out.buffer, "out"));
   EXPECT_TRUE(buffer_unchanged(*cache.data, "kv_cache"));
   if (cache.rope_data) {
@@ -103,48 +92,38 @@ TEST_P(GatherCache, SequencesMatchReference) {
   int64_t max_blocks = 0;
   for (int64_t len : lens) max_blocks = std::max(max_blocks, (len + bs - 1) / bs);
   max_blocks += 1;
-  std::vector<int64_t> blocks(static_cast<size_t>(num_blocks));
-  std::iota(blocks.begin(), blocks.end(), 0);
-  Tensor block_table = new_tensor(dev, DType::kInt32, {B + 1, max_blocks});
-  std::vector<int64_t> table_values(static_cast<size_t>((B + 1) * max_blocks));
+  // block_table [B + 1, max_blocks]: columns first .. first + max_blocks - 1 of a table W wide.
+  const int64_t W = max_blocks + c.table_extra_cols, first = c.table_extra_cols > 0 ? 1 : 0;
+  Tensor table = new_tensor(dev, DType::kInt32, {B + 1, W});
+  std::vector<int64_t> table_values(static_cast<size_t>((B + 1) * W));
   std::uniform_int_distribution<int64_t> any_block(0, num_blocks - 1);
   for (auto& b : table_values) b = any_block(rng);
+  auto entry = [&](int64_t seq, int64_t i) -> int64_t& {
+    return table_values[seq * W + first + i];
+  };
   const int64_t last_block_of_seq2 = (lens[2] - 1) / bs;
-  table_values[2 * max_blocks + last_block_of_seq2] = num_blocks + 2;
-  if (last_block_of_seq2 > 0) table_values[2 * max_blocks] = -1;
-  table_values[0] = num_blocks;  // sequence 0's first block: one past the cache's last
-  set_indices(block_table.view(0, {(B + 1) * max_blocks}, {1}), table_values);
+  entry(2, last_block_of_seq2) = num_blocks + 2;
+  if (last_block_of_seq2 > 0) entry(2, 0) = -1;
+  entry(0, 0) = num_blocks;  // sequence 0's first block: one past the cache's last
+  set_indices(table.view(0, {(B + 1) * W}, {1}), table_values);
+  table.buffer->upload();
+  const Tensor block_table = table.view(first, {B + 1, max_blocks}, {W, 1});
   std::vector<int64_t> cu(static_cast<size_t>(B + 1), 0);
   for (int64_t b = 0; b < B; ++b) cu[b + 1] = cu[b] + lens[b];
-  Tensor cu_seq_lens = new_tensor(dev, DType::kInt32, {B + 1});
-  set_indices(cu_seq_lens, cu);
+  Tensor cu_seq_lens = index_tensor(dev, DType::kInt32, cu);
   // The output view ends 2 rows before the last sequence's end (those rows are not written), and
   // the buffer has 3 more rows past the view.
   const int64_t out_rows = cu[B] - 2;
-  Tensor out = new_strided_tensor(dev, c.out_dtype, (out_rows + 3) * D, {out_rows, D}, {D, 1});
-  fill_bytes(*out.buffer, kPoisonByte);
-  ErrorCounts counts(dev);
-  block_table.buffer->upload();
-  cu_seq_lens.buffer->upload();
-  out.buffer->upload();
+  Tensor out =
+      poisoned(padded_rows(dev, c.out_dtype, out_rows + 3, D, c.out_row_pad, c.out_row_pad));
+  out = out.view(out.offset, {out_rows, D}, out.stride);
 
-  GatherCacheSequencesParams host, device;
-  for (auto [p, on_host] : {std::pair{&host, true}, std::pair{&device, false}}) {
-    p->num_seqs = B;
-    p->kv_cache = on_host ? cache.host_view() : cache.device_view();
-    p->block_table = on_host ? block_table.host_view() : block_table.device_view();
-    p->cu_seq_lens = on_host ? cu_seq_lens.host_view() : cu_seq_lens.device_view();
-    p->out = on_host ? out.host_view() : out.device_view();
-  }
-  std::vector<int32_t> expected(kNumErrorCounters, 0);
-  ref::gather_cache_sequences(host, expected.data());
-  Context ctx;
-  ctx.error_counts = counts.device_ptr();
-  gather_cache_sequences(device, ctx);
-  EXPECT_GT(expected[kBadBlockIndex], 0);
-  EXPECT_EQ(counts_to_string(counts.read()), counts_to_string(expected));
+  const BothCounts counts = gather_sequences_both(cache, B, block_table, cu_seq_lens, out);
+  EXPECT_GT(counts.expected[kBadBlockIndex], 0);
+  EXPECT_EQ(counts_to_string(counts.got), counts_to_string(counts.expected));
   EXPECT_TRUE(buffer_matches(*out.buffer, "out"));
   EXPECT_TRUE(buffer_unchanged(*cache.data, "kv_cache"));
+  EXPECT_TRUE(buffer_unchanged(*table.buffer, "block_table"));
 }
 
 std::vector<GatherCase> gather_cases() {
@@ -159,6 +138,8 @@ std::vector<GatherCase> gather_cases() {
     out.push_back({"e4m3_noscale_split" + on, CacheFormat::kFloat8E4M3, 0, true, 512, 64, 64, o});
     out.push_back({"e5m2_scaled" + on, CacheFormat::kFloat8E5M2, 0.037f, false, 256, 32, 16, o});
     out.push_back({"dsmla" + on, CacheFormat::kFloat8DsMla, 0, false, 512, 64, 64, o});
+    out.push_back({"bf16_padded_rows_table_columns" + on, CacheFormat::kBFloat16, 0, false, 512, 64,
+                   4, o, 8, 3});
   }
   return out;
 }

@@ -115,6 +115,19 @@ std::vector<FusedSpec> layout_specs() {
     s.norm = true;
     out.push_back(s);
   }
+  // q_out / q_prefill_out heads padded: every output stride differs from its input's.
+  {
+    FusedSpec s = named("out_heads_padded");
+    s.out_head_pad = 8;
+    s.row_pad = 3;
+    s.prefill_out = true;
+    out.push_back(s);
+    s = named("out_heads_padded_fp8_qout");
+    s.out_head_pad = 16;
+    s.q_out_dtype = DType::kFloat8E4M3;
+    s.q_scale = 0.02f;
+    out.push_back(s);
+  }
   return out;
 }
 
@@ -182,6 +195,21 @@ std::vector<FusedSpec> safety_specs() {
     s.bad_positions = 2;
     out.push_back(s);
   }
+  // The decode and prefill entry points fix Td: a device Td given to them is not read (neither
+  // used nor counted, even out of range).
+  for (int32_t td : {4, -3}) {
+    const std::string v = td < 0 ? "neg" : std::to_string(td);
+    FusedSpec s = named("device_td_" + v + "_ignored_by_decode");
+    s.entry = Entry::kDecode;
+    s.device_td = true;
+    s.device_td_value = td;
+    out.push_back(s);
+    s = named("device_td_" + v + "_ignored_by_prefill");
+    s.entry = Entry::kPrefill;
+    s.device_td = true;
+    s.device_td_value = td;
+    out.push_back(s);
+  }
   return out;
 }
 
@@ -245,6 +273,29 @@ TEST_P(CheckedMode, ReadErrorCountsThrowsIfAsked) {
 }
 
 INSTANTIATE_TEST_SUITE_P(All, CheckedMode, testing::ValuesIn(all_backends()), backend_param_name);
+
+// Without ctx.error_counts nothing is counted, and every problem is still handled as usual: a
+// device Td outside [0, T] is clamped, bad slots skipped, bad positions clamped (the reference's
+// bytes).
+class NoCounters : public testing::TestWithParam<Backend> {};
+
+TEST_P(NoCounters, DeviceTdClampedBadSlotsAndPositionsHandled) {
+  for (int32_t td : {1000, -3}) {
+    FusedSpec s = named("no_counters_device_td_" + std::to_string(td));
+    s.device_td = true;
+    s.device_td_value = td;
+    s.bad_slots = 2;
+    s.bad_positions = 2;
+    SCOPED_TRACE(s.name);
+    FusedProblem problem(s, GetParam().device);
+    problem.run_reference();
+    problem.launch(Context{});
+    problem.expect_matches();
+    EXPECT_TRUE(buffer_unchanged(*problem.counts.tensor.buffer, "error_counts (not given)"));
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(All, NoCounters, testing::ValuesIn(all_backends()), backend_param_name);
 
 }  // namespace
 }  // namespace test

@@ -232,14 +232,6 @@ void fill_weight(const Tensor& t, std::mt19937_64& rng) {
   }
 }
 
-// A [rows, N] tensor of `dt` with `pad` extra elements per row and `offset` elements in front,
-// poisoned (outputs) or random (inputs) everywhere.
-Tensor rows_tensor(Device device, DType dt, int64_t rows, int64_t N, int64_t pad,
-                   int64_t offset = 0) {
-  const int64_t stride = N + pad;
-  return new_strided_tensor(device, dt, offset + rows * stride, {rows, N}, {stride, 1}, offset);
-}
-
 enum class ScaleLayout { kRowMajor, kColumnMajor };
 
 // Scales [rows, groups]: row-major with `pad` extra per row, or column-major with stride rows +
@@ -276,6 +268,16 @@ struct Case {
   float eps = 1e-6f;
 };
 
+// A case by its name, dtype, width and tokens; the rest Case's defaults.
+Case make_case(std::string name, DType dtype, int64_t N, int64_t T) {
+  Case c;
+  c.name = std::move(name);
+  c.dtype = dtype;
+  c.N = N;
+  c.T = T;
+  return c;
+}
+
 std::string case_label(const Case& c) {
   std::string s = c.name + " " + dtype_name(c.dtype) + " N=" + std::to_string(c.N) +
                   " T=" + std::to_string(c.T) + " G=" + std::to_string(c.group_size);
@@ -297,26 +299,26 @@ Job make_job(Device device, const Case& c, std::mt19937_64& rng, bool with_weigh
              bool with_quant) {
   const int64_t rows = c.T + c.extra_rows;
   Job j;
-  j.input = rows_tensor(device, c.dtype, rows, c.N, c.row_pad, c.row_pad ? 8 : 0);
+  j.input = padded_rows(device, c.dtype, rows, c.N, c.row_pad, c.row_pad ? 8 : 0);
   fill_activations(j.input, rng);
   if (with_weight) {
     j.weight = new_tensor(device, c.dtype, {c.N});
     fill_weight(j.weight, rng);
   }
   if (c.residual) {
-    j.residual = rows_tensor(device, c.dtype, rows, c.N,
+    j.residual = padded_rows(device, c.dtype, rows, c.N,
                              c.residual_row_pad < 0 ? c.row_pad : c.residual_row_pad);
     fill_activations(j.residual, rng);
   }
   if (c.normed == Case::kSeparate) {
-    j.normed_out = rows_tensor(device, c.dtype, rows, c.N,
+    j.normed_out = padded_rows(device, c.dtype, rows, c.N,
                                c.normed_row_pad < 0 ? c.row_pad : c.normed_row_pad);
     fill_bytes(*j.normed_out.buffer, kPoisonByte);
   } else if (c.normed == Case::kInPlace) {
     j.normed_out = j.input;
   }
   if (with_quant) {
-    j.values = rows_tensor(device, DType::kFloat8E4M3, rows, c.N, c.row_pad ? 32 : 0);
+    j.values = padded_rows(device, DType::kFloat8E4M3, rows, c.N, c.row_pad ? 32 : 0);
     fill_bytes(*j.values.buffer, kPoisonByte);
     j.scales = scales_tensor(device, rows, c.N / c.group_size, c.layout, c.scale_pad);
     fill_bytes(*j.scales.buffer, kPoisonByte);
@@ -445,11 +447,7 @@ TEST_P(RmsNormQuantTest, ShapesAndTokenCounts) {
         // The largest products add time, not coverage.
         if (N == 7168 && T == 4096) continue;
         if (dt == DType::kFloat16 && T >= 1000) continue;
-        Case c;
-        c.name = "shapes";
-        c.dtype = dt;
-        c.N = N;
-        c.T = T;
+        Case c = make_case("shapes", dt, N, T);
         run_rmsnorm_quant(c, ++seed);
       }
     }
@@ -462,11 +460,7 @@ TEST_P(RmsNormQuantTest, OptionsCombined) {
     for (bool residual : {false, true}) {
       for (auto normed : {Case::kNone, Case::kSeparate, Case::kInPlace}) {
         for (ScaleLayout layout : {ScaleLayout::kRowMajor, ScaleLayout::kColumnMajor}) {
-          Case c;
-          c.name = "options";
-          c.dtype = dt;
-          c.N = 1536;
-          c.T = 67;
+          Case c = make_case("options", dt, 1536, 67);
           c.residual = residual;
           c.normed = normed;
           c.layout = layout;
@@ -530,11 +524,7 @@ TEST_P(RmsNormQuantTest, ExactFitAndGenericWidths) {
       // its one-chunk form (see "groups" below for N = 1536).
       for (int64_t T : {int64_t{5}, int64_t{3001}}) {
         if (T == 3001 && N != 1024) continue;
-        Case c;
-        c.name = "widths";
-        c.dtype = dt;
-        c.N = N;
-        c.T = N >= 4096 ? 3 : T;
+        Case c = make_case("widths", dt, N, N >= 4096 ? 3 : T);
         c.residual = (N / 256) % 2 == 0;
         c.normed = c.residual ? Case::kSeparate : Case::kInPlace;
         c.group_size = N == 2048 ? 64 : 128;
@@ -551,10 +541,7 @@ TEST_P(RmsNormQuantTest, ExactFitAndGenericWidths) {
   for (DType dt : {DType::kBFloat16, DType::kFloat16}) {
     for (int64_t G : {16, 32, 64, 256}) {
       for (int64_t T : {5, 3001, 4501}) {
-        Case c;
-        c.name = "groups";
-        c.dtype = dt;
-        c.T = T;
+        Case c = make_case("groups", dt, 1536, T);
         c.group_size = G;
         c.residual = G != 32;
         c.normed = c.residual ? Case::kSeparate : Case::kInPlace;
@@ -644,11 +631,7 @@ TEST_P(RmsNormQuantTest, SpecialValuesEqualTheCpuBackend) {
   for (DType dt : {DType::kBFloat16, DType::kFloat16, DType::kFloat32}) {
     for (int64_t N : {1536, 768}) {
       for (int variant = 0; variant < 3; ++variant) {
-        Case c;
-        c.name = "special";
-        c.dtype = dt;
-        c.N = N;
-        c.T = 7;
+        Case c = make_case("special", dt, N, 7);
         const bool with_weight = variant < 2;
         c.residual = variant == 1;
         c.normed = with_weight ? Case::kSeparate : Case::kNone;
@@ -683,18 +666,11 @@ TEST_P(RmsNormQuantTest, DualSpecialValuesEqualTheCpuBackend) {
   if (device().type == DeviceType::kCPU) GTEST_SKIP() << "compares a GPU backend with the CPU";
   uint64_t seed = 1400;
   for (DType dt : {DType::kBFloat16, DType::kFloat16, DType::kFloat32}) {
-    Case qc;
-    qc.name = "dual special q_c";
-    qc.dtype = dt;
-    qc.T = 7;
+    Case qc = make_case("dual special q_c", dt, 1536, 7);
     qc.residual = dt != DType::kFloat16;
     qc.normed = Case::kSeparate;
     qc.pow2 = dt == DType::kBFloat16;
-    Case kc;
-    kc.name = "dual special kv_c";
-    kc.dtype = dt;
-    kc.N = 512;
-    kc.T = 7;
+    Case kc = make_case("dual special kv_c", dt, 512, 7);
     kc.normed = dt == DType::kFloat32 ? Case::kInPlace : Case::kSeparate;
     const std::string label = case_label(qc) + " / " + case_label(kc);
     SCOPED_TRACE(label);
@@ -899,11 +875,7 @@ TEST_P(RmsNormQuantTest, PerTokenGroupQuant) {
   uint64_t seed = 600;
   for (DType dt : {DType::kBFloat16, DType::kFloat16, DType::kFloat32}) {
     for (ScaleLayout layout : {ScaleLayout::kRowMajor, ScaleLayout::kColumnMajor}) {
-      Case c;
-      c.name = "quant";
-      c.dtype = dt;
-      c.N = 7168;
-      c.T = 37;
+      Case c = make_case("quant", dt, 7168, 37);
       c.layout = layout;
       c.scale_pad = 3;
       c.pow2 = layout == ScaleLayout::kColumnMajor;
@@ -943,8 +915,8 @@ TEST_P(RmsNormQuantTest, FusedEqualsUnfused) {
   p.quant = quant_view(j, c);
   rmsnorm_quant(p);
 
-  Tensor normed = rows_tensor(device(), c.dtype, c.T, c.N, 0);
-  Tensor values = rows_tensor(device(), DType::kFloat8E4M3, c.T, c.N, 0);
+  Tensor normed = padded_rows(device(), c.dtype, c.T, c.N, 0);
+  Tensor values = padded_rows(device(), DType::kFloat8E4M3, c.T, c.N, 0);
   Tensor scales = scales_tensor(device(), c.T, c.N / 128, ScaleLayout::kRowMajor, 0);
   for (const Tensor* t : {&normed, &values, &scales}) t->buffer->upload();
   RmsNormParams rn;
@@ -983,19 +955,11 @@ TEST_P(RmsNormQuantTest, DualForm) {
   for (DType dt : {DType::kBFloat16, DType::kFloat16}) {
     for (int64_t T : {1, 64, 1601}) {
       for (bool in_place : {false, true}) {
-        Case qc;
-        qc.name = "dual q_c";
-        qc.dtype = dt;
-        qc.N = 1536;
-        qc.T = T;
+        Case qc = make_case("dual q_c", dt, 1536, T);
         qc.layout = in_place ? ScaleLayout::kColumnMajor : ScaleLayout::kRowMajor;
         qc.scale_pad = in_place ? (4 - T % 4) % 4 : 0;
         qc.normed = in_place ? Case::kSeparate : Case::kNone;
-        Case kc;
-        kc.name = "dual kv_c";
-        kc.dtype = dt;
-        kc.N = 512;
-        kc.T = T;
+        Case kc = make_case("dual kv_c", dt, 512, T);
         kc.eps = 1e-5f;
         kc.normed = in_place ? Case::kInPlace : Case::kSeparate;
         kc.row_pad = in_place ? 0 : 64;  // kv_c as a strided view
@@ -1020,18 +984,10 @@ TEST_P(RmsNormQuantTest, DualFormTokenCounts) {
                                {2101, 3}, {2201, 3}, {2047, 200}};
   for (DType dt : {DType::kBFloat16, DType::kFloat16, DType::kFloat32}) {
     for (const auto& tc : counts) {
-      Case qc;
-      qc.name = "dual q_c";
-      qc.dtype = dt;
-      qc.N = 1536;
-      qc.T = tc[0];
+      Case qc = make_case("dual q_c", dt, 1536, tc[0]);
       qc.residual = tc[0] == 5;
       qc.normed = Case::kSeparate;
-      Case kc;
-      kc.name = "dual kv_c";
-      kc.dtype = dt;
-      kc.N = 512;
-      kc.T = tc[1];
+      Case kc = make_case("dual kv_c", dt, 512, tc[1]);
       kc.normed = Case::kSeparate;
       run_dual(qc, kc, ++seed);
     }
@@ -1049,27 +1005,34 @@ TEST_P(RmsNormQuantTest, DualFormQcInPlace) {
     for (const auto& w : widths) {
       for (int64_t T : {1, 3, 64}) {
         for (bool residual : {false, true}) {
-          Case qc;
-          qc.name = "dual q_c in place";
-          qc.dtype = dt;
-          qc.N = w[0];
-          qc.T = T;
+          Case qc = make_case("dual q_c in place", dt, w[0], T);
           qc.residual = residual;
           qc.normed = Case::kInPlace;
           qc.pow2 = residual;
           qc.layout = T == 3 ? ScaleLayout::kColumnMajor : ScaleLayout::kRowMajor;
           qc.scale_pad = T == 3 ? 1 : 0;
           qc.row_pad = T == 64 ? 64 : 0;
-          Case kc;
-          kc.name = "dual kv_c";
-          kc.dtype = dt;
-          kc.N = w[1];
-          kc.T = T;
+          Case kc = make_case("dual kv_c", dt, w[1], T);
           kc.eps = 1e-5f;
           kc.normed = residual ? Case::kInPlace : Case::kSeparate;
           run_dual(qc, kc, ++seed);
         }
       }
+    }
+  }
+}
+
+// The dual form's kv_c part at widths that are not a multiple of 256 (the CPU backend normalizes an
+// unquantized row in pieces of at most 256 values: the last piece is short), wider and narrower
+// than one piece, separate and in place.
+TEST_P(RmsNormQuantTest, DualKvWidthsNotAMultipleOf256) {
+  uint64_t seed = 1900;
+  for (DType dt : {DType::kBFloat16, DType::kFloat32}) {
+    for (int64_t N : {264, 1000, 200}) {
+      Case qc = make_case("dual q_c", dt, 1536, 5);
+      Case kc = make_case("dual kv_c", dt, N, 3);
+      kc.normed = N == 1000 ? Case::kInPlace : Case::kSeparate;
+      run_dual(qc, kc, ++seed);
     }
   }
 }
@@ -1091,7 +1054,7 @@ TEST_P(RmsNormQuantTest, DualKvEqualsRmsNorm) {
   MlaRmsNormQuantParams p = dual_params(q, qc, kv, kc);
   mla_rmsnorm_quant(p);
 
-  Tensor out = rows_tensor(device(), kc.dtype, kc.T + kc.extra_rows, kc.N, 0);
+  Tensor out = padded_rows(device(), kc.dtype, kc.T + kc.extra_rows, kc.N, 0);
   fill_bytes(*out.buffer, kPoisonByte);
   out.buffer->upload();
   RmsNormParams rn;
@@ -1110,11 +1073,7 @@ TEST_P(RmsNormQuantTest, DualKvEqualsRmsNorm) {
 TEST_P(RmsNormQuantTest, EveryTensorItsOwnRowStride) {
   uint64_t seed = 1500;
   for (DType dt : {DType::kBFloat16, DType::kFloat16, DType::kFloat32}) {
-    Case c;
-    c.name = "own row strides";
-    c.dtype = dt;
-    c.N = 1536;
-    c.T = 67;
+    Case c = make_case("own row strides", dt, 1536, 67);
     c.residual = true;
     c.normed = Case::kSeparate;
     c.row_pad = 8;
@@ -1125,11 +1084,7 @@ TEST_P(RmsNormQuantTest, EveryTensorItsOwnRowStride) {
     Case qc = c;
     qc.name = "dual q_c, own row strides";
     qc.residual = false;
-    Case kc;
-    kc.name = "dual kv_c, own row strides";
-    kc.dtype = dt;
-    kc.N = 512;
-    kc.T = 67;
+    Case kc = make_case("dual kv_c, own row strides", dt, 512, 67);
     kc.normed = Case::kSeparate;
     kc.row_pad = 16;
     kc.normed_row_pad = 48;
@@ -1294,7 +1249,7 @@ TEST_P(RmsNormQuantTest, BadArgumentsWriteNothing) {
     c.group_size = 32;
     std::mt19937_64 rng(1001);
     Job j = make_job(dev, c, rng, true, false);
-    j.values = rows_tensor(dev, DType::kFloat8E4M3, c.T, c.N, 0);
+    j.values = padded_rows(dev, DType::kFloat8E4M3, c.T, c.N, 0);
     j.scales = scales_tensor(dev, c.T, 48, ScaleLayout::kRowMajor, 0);
     upload(j);
     RmsNormQuantParams p;

@@ -41,6 +41,12 @@ void upload_all(std::initializer_list<const Tensor*> tensors) {
   }
 }
 
+// Unused elements after every row and every head of a tensor (padded_heads): the gaps of an input
+// hold random values that must not be read, those of an output poison that must stay.
+struct Pad {
+  int64_t row = 0, head = 0;
+};
+
 // ---- rotary_embedding --------------------------------------------------------------------------
 struct RotaryCase {
   std::string name;
@@ -49,6 +55,7 @@ struct RotaryCase {
   DType table;
   RopeStyle style;
   int64_t bad_positions;
+  Pad q_pad{}, k_pad{};
 };
 
 class RotaryEmbedding : public testing::TestWithParam<std::tuple<Backend, RotaryCase>> {};
@@ -64,9 +71,13 @@ TEST_P(RotaryEmbedding, MatchesReference) {
   for (int64_t t = c.T; t < rows; ++t) pos[t] = max_pos + 100;  // rows >= T: never read
   Tensor positions = index_tensor(dev, DType::kInt64, pos);
   Tensor table = cos_sin_table(dev, c.table, max_pos, c.rot_dim, rng);
-  Tensor query = random_tensor(dev, c.model, {rows, c.Hq, c.head_size}, rng);
+  Tensor query = randomized(
+      padded_heads(dev, c.model, rows, c.Hq, c.head_size, c.q_pad.row, c.q_pad.head), rng);
   Tensor key;
-  if (c.Hk > 0) key = random_tensor(dev, c.model, {rows, c.Hk, c.head_size}, rng);
+  if (c.Hk > 0) {
+    key = randomized(padded_heads(dev, c.model, rows, c.Hk, c.head_size, c.k_pad.row, c.k_pad.head),
+                     rng);
+  }
   ErrorCounts counts(dev);
   upload_all({&positions, &table, &query, &key});
 
@@ -115,6 +126,31 @@ std::vector<RotaryCase> rotary_cases() {
        RopeStyle::kNeox, 0},
       {"q_only_gptj_fp32_rot256_fp16table", 3, 2, 0, 256, 256, DType::kFloat32, DType::kFloat16,
        RopeStyle::kGptJ, 0},
+      // Every row and head padded, the query's and the key's differently.
+      {"qk_gptj_bf16_padded_heads",
+       5,
+       4,
+       2,
+       96,
+       64,
+       DType::kBFloat16,
+       DType::kFloat32,
+       RopeStyle::kGptJ,
+       0,
+       {3, 8},
+       {5, 24}},
+      {"qk_neox_bf16_padded_heads",
+       5,
+       4,
+       2,
+       96,
+       64,
+       DType::kBFloat16,
+       DType::kFloat32,
+       RopeStyle::kNeox,
+       1,
+       {3, 8},
+       {5, 24}},
   };
 }
 
@@ -295,6 +331,7 @@ struct QConcatCase {
   float q_scale;
   int64_t H, L, R;
   int64_t T = 9;
+  Pad nope_pad{}, pe_pad{}, out_pad{};
 };
 
 class DecodeQConcat : public testing::TestWithParam<std::tuple<Backend, QConcatCase>> {};
@@ -304,9 +341,12 @@ TEST_P(DecodeQConcat, MatchesReference) {
   const QConcatCase& c = std::get<1>(GetParam());
   std::mt19937_64 rng(c.H * 5 + c.L);
   const int64_t T = c.T, rows = T + 2;
-  Tensor ql_nope = random_tensor(dev, c.model, {rows, c.H, c.L}, rng, 8.0f);
-  Tensor q_pe = random_tensor(dev, c.model, {rows, c.H, c.R}, rng, 8.0f);
-  Tensor q_out = poisoned_tensor(dev, c.q_out, {rows, c.H, c.L + c.R});
+  auto padded = [&](DType dtype, int64_t cols, Pad pad) {
+    return padded_heads(dev, dtype, rows, c.H, cols, pad.row, pad.head);
+  };
+  Tensor ql_nope = randomized(padded(c.model, c.L, c.nope_pad), rng, 8.0f);
+  Tensor q_pe = randomized(padded(c.model, c.R, c.pe_pad), rng, 8.0f);
+  Tensor q_out = poisoned(padded(c.q_out, c.L + c.R, c.out_pad));
   Tensor q_scale;
   if (c.q_scale > 0) {
     q_scale = new_tensor(dev, DType::kFloat32, {1});
@@ -342,6 +382,19 @@ std::vector<QConcatCase> q_concat_cases() {
       // model dtype): 2 rows an item, and 1 row of R = 32 (4 lanes).
       {"bf16_T520", bf16, bf16, 0, 8, 512, 64, 520},
       {"fp16_T512_r32", DType::kFloat16, DType::kFloat16, 0, 2, 256, 32, 512},
+      // Every row and head padded, each tensor differently.
+      {"bf16_padded_heads", bf16, bf16, 0, 3, 512, 64, 5, {2, 8}, {6, 16}, {4, 24}},
+      {"e4m3_padded_heads",
+       bf16,
+       DType::kFloat8E4M3,
+       0.02f,
+       3,
+       512,
+       64,
+       5,
+       {2, 8},
+       {6, 16},
+       {4, 24}},
   };
 }
 
@@ -351,6 +404,7 @@ struct RmsCase {
   DType model;
   int64_t N;
   bool in_place;
+  int64_t input_row_pad = 0, output_row_pad = 0;
 };
 
 class RmsNorm : public testing::TestWithParam<std::tuple<Backend, RmsCase>> {};
@@ -360,10 +414,10 @@ TEST_P(RmsNorm, MatchesReferenceBitwise) {
   const RmsCase& c = std::get<1>(GetParam());
   std::mt19937_64 rng(c.N);
   const int64_t T = 33, rows = T + 2;
-  Tensor input = random_tensor(dev, c.model, {rows, c.N}, rng, 3.0f);
+  Tensor input = randomized(padded_rows(dev, c.model, rows, c.N, c.input_row_pad), rng, 3.0f);
   Tensor weight = random_tensor(dev, c.model, {c.N}, rng, 1.5f);
-  Tensor output = c.in_place ? input : poisoned_tensor(dev, c.model, {rows, c.N});
-  upload_all({&input, &weight, &output});
+  Tensor output =
+      c.in_place ? input : poisoned(padded_rows(dev, c.model, rows, c.N, c.output_row_pad));
   RmsNormParams host, device;
   for (auto [p, on_host] : {std::pair{&host, true}, std::pair{&device, false}}) {
     auto v = [&](const Tensor& t) { return on_host ? t.host_view() : t.device_view(); };
@@ -420,7 +474,8 @@ std::vector<RmsCase> rms_cases() {
           {"bf16_7", DType::kBFloat16, 7, false},
           {"fp16_1000", DType::kFloat16, 1000, false},
           {"fp32_3001", DType::kFloat32, 3001, false},
-          {"bf16_9000", DType::kBFloat16, 9000, false}};
+          {"bf16_9000", DType::kBFloat16, 9000, false},
+          {"bf16_512_padded_rows", DType::kBFloat16, 512, false, 8, 24}};
 }
 
 // ---- fused == unfused --------------------------------------------------------------------------

@@ -1043,6 +1043,55 @@ TEST(Validation, DescribeAndViews) {
   EXPECT_THROW(mlakv::make_strided_view(dummy, DType::kFloat32, {2, 2}, {1}), mlakv::Error);
 }
 
+// tensor.h's view helpers at their edges: an absent view has no elements, size-1 dims do not
+// constrain their stride (as in PyTorch), and make_view takes 1 to kMaxDims dims.
+TEST(Validation, ViewHelpersEdges) {
+  int64_t dummy[8] = {};
+  EXPECT_EQ(TensorView{}.numel(), 0);
+  EXPECT_FALSE(TensorView{}.present());
+  EXPECT_TRUE(
+      mlakv::make_strided_view(dummy, DType::kFloat32, {2, 1, 4}, {4, 99, 1}).is_contiguous());
+  EXPECT_TRUE(mlakv::make_strided_view(dummy, DType::kFloat32, {1, 8}, {3, 1}).is_contiguous());
+  EXPECT_FALSE(
+      mlakv::make_strided_view(dummy, DType::kFloat32, {2, 1, 4}, {8, 4, 1}).is_contiguous());
+  const TensorView v4 = mlakv::make_view(dummy, DType::kFloat32, {1, 2, 2, 2});
+  EXPECT_EQ(v4.ndim, mlakv::kMaxDims);
+  EXPECT_EQ(v4.numel(), 8);
+  EXPECT_EQ(v4.stride[0], 8);
+  EXPECT_TRUE(v4.is_contiguous());
+  EXPECT_THROW(mlakv::make_view(dummy, DType::kFloat32, {1, 1, 2, 2, 2}), mlakv::Error);
+  EXPECT_THROW(mlakv::make_view(dummy, DType::kFloat32, {}), mlakv::Error);
+}
+
+// memory.h's helpers on the CPU: copies and memset move exactly the bytes asked for; a call for 0
+// bytes does nothing (null pointers allowed, as empty tensors have them); a null pointer with
+// bytes to move is rejected.
+TEST(Validation, CpuMemoryHelpers) {
+  const mlakv::Device cpu{};
+  Buffer a(64), b(64);
+  uint8_t src[64], back[64];
+  for (int i = 0; i < 64; ++i) src[i] = static_cast<uint8_t>(i * 7 + 1);
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(a.data()) % 256, 0u);
+  mlakv::copy_host_to_device(cpu, a.data(), src, 64);
+  mlakv::device_memset(cpu, a.data(), 0x5c, 16);
+  mlakv::copy_device_to_host(cpu, back, a.data(), 64);
+  for (int i = 0; i < 64; ++i) {
+    EXPECT_EQ(back[i], i < 16 ? 0x5c : src[i]) << "byte " << i;
+  }
+  EXPECT_NO_THROW(mlakv::copy_host_to_device(cpu, nullptr, nullptr, 0));
+  EXPECT_NO_THROW(mlakv::copy_device_to_host(cpu, nullptr, nullptr, 0));
+  EXPECT_NO_THROW(mlakv::device_memset(cpu, nullptr, 0, 0));
+  EXPECT_THROW(mlakv::copy_host_to_device(cpu, b.data(), nullptr, 4), mlakv::Error);
+  EXPECT_THROW(mlakv::copy_host_to_device(cpu, nullptr, src, 4), mlakv::Error);
+  EXPECT_THROW(mlakv::copy_device_to_host(cpu, back, nullptr, 4), mlakv::Error);
+  EXPECT_THROW(mlakv::copy_device_to_host(cpu, nullptr, a.data(), 4), mlakv::Error);
+  EXPECT_THROW(mlakv::device_memset(cpu, nullptr, 0, 4), mlakv::Error);
+  void* empty = mlakv::device_alloc(cpu, 0);
+  EXPECT_NE(empty, nullptr);
+  mlakv::device_free(cpu, empty);
+  mlakv::device_free(cpu, nullptr);
+}
+
 // A view whose last byte would pass the top of the address space, and one past 2^56 bytes, are
 // rejected by every validator (the rms_norm and rmsnorm_quant ones here; the views are never
 // dereferenced). numel() saturates instead of overflowing; the cache helpers check their products.
@@ -1196,6 +1245,27 @@ TEST(Validation, ErrorCountsArguments) {
       Arena{}, [&] { mlakv::read_error_counts(nullptr, {}, host); }, "error_counts");
   expect_rejected(
       Arena{}, [&] { mlakv::reset_error_counts(nullptr, {}); }, "error_counts");
+}
+
+// read_error_counts and reset_error_counts cover every counter, the last one included.
+TEST(Validation, ErrorCountsReadAndResetEveryCounter) {
+  Buffer buffer(sizeof(int32_t) * mlakv::kNumErrorCounters);
+  int32_t* counts = static_cast<int32_t*>(buffer.data());
+  for (int32_t i = 0; i < mlakv::kNumErrorCounters; ++i) counts[i] = 10 + i;
+  int32_t host[mlakv::kNumErrorCounters] = {};
+  try {
+    mlakv::read_error_counts(counts, {}, host, nullptr, /*throw_if_nonzero=*/true);
+    ADD_FAILURE() << "non-zero counters, nothing thrown";
+  } catch (const mlakv::Error& e) {
+    for (int32_t i = 0; i < mlakv::kNumErrorCounters; ++i) {
+      EXPECT_NE(std::string(e.what()).find(mlakv::error_counter_name(i)), std::string::npos)
+          << e.what();
+    }
+  }
+  for (int32_t i = 0; i < mlakv::kNumErrorCounters; ++i) EXPECT_EQ(host[i], 10 + i) << i;
+  mlakv::reset_error_counts(counts, {});
+  for (int32_t i = 0; i < mlakv::kNumErrorCounters; ++i) EXPECT_EQ(counts[i], 0) << i;
+  EXPECT_NO_THROW(mlakv::read_error_counts(counts, {}, host, nullptr, true));
 }
 
 TEST(Validation, CudaMemoryWithoutBackend) {

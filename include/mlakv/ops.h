@@ -45,6 +45,7 @@ const char* rope_style_name(RopeStyle style);
 // num_decode_tokens (host, must be in [0, T]). With a device Td, decode tensors need T rows too.
 // A host Td > 0 requires q_out; q_pe / ql_nope / q_scale without q_out, or q_prefill_out without q,
 // are rejected. With a device Td and no q_out the decode rows get no Q work (K side only).
+// With T = 0 the op reads nothing: a device Td, whatever its value, is neither read nor counted.
 struct MlaRopeCacheParams {
   int64_t num_tokens = 0;                             // T
   int64_t num_decode_tokens = 0;                      // Td (host)
@@ -78,6 +79,7 @@ struct MlaRopeCacheParams {
 // The fused op: all of the above in one launch.
 void mla_rope_cache(const MlaRopeCacheParams& params, const Context& ctx = {});
 // Thin entry points that fix Td: all decode (Td = T), all prefill (Td = 0), or mixed (as given).
+// The decode and prefill ones ignore num_decode_tokens_device (it is neither read nor counted).
 void mla_rope_cache_decode(MlaRopeCacheParams params, const Context& ctx = {});
 void mla_rope_cache_prefill(MlaRopeCacheParams params, const Context& ctx = {});
 void mla_rope_cache_mixed(const MlaRopeCacheParams& params, const Context& ctx = {});
@@ -144,7 +146,9 @@ void gather_cache_slots(const GatherCacheSlotsParams& params, const Context& ctx
 // token i lives in block block_table[b, i / block_size] at offset i % block_size and goes to out
 // row cu_seq_lens[b] + i. Rows at or past out.shape[0] are never written; block ids outside
 // [0, num_blocks), and tokens past their block-table row (i / block_size >= max_blocks_per_seq),
-// give zeros and are counted (kBadBlockIndex, once per row).
+// give zeros and are counted (kBadBlockIndex, once per row). cu_seq_lens outside its contract
+// (device data of an earlier batch) still writes only rows of out: a sequence whose start is
+// negative is skipped whole, neither written nor counted.
 struct GatherCacheSequencesParams {
   int64_t num_seqs = 0;  // B
   KVCacheView kv_cache;
