@@ -189,7 +189,7 @@ FusedProblem::FusedProblem(const FusedSpec& s, Device dev) : spec(s), device(dev
 
   // Prefill q (also the home of the decode q_pe when q_pe_in_q).
   if (spec.prefill_q || spec.q_pe_in_q) {
-    q = padded_heads(dev, model, rows, H, P + R, pad);
+    q = padded_heads(dev, model, rows, H, P + R, pad, spec.in_head_pad);
     fill_random(*q.buffer, model, rng, spec.amplitude);
   }
   if (spec.prefill_q && spec.prefill_out) {
@@ -207,13 +207,13 @@ FusedProblem::FusedProblem(const FusedSpec& s, Device dev) : spec(s), device(dev
       q_pe = new_strided_tensor(dev, model, H * qrows * R, {qrows, H, R}, {R, qrows * R, 1});
       fill_random(*q_pe.buffer, model, rng, spec.amplitude);
     } else {
-      q_pe = padded_heads(dev, model, qrows, H, R, pad);
+      q_pe = padded_heads(dev, model, qrows, H, R, pad, spec.in_head_pad);
       fill_random(*q_pe.buffer, model, rng, spec.amplitude);
     }
     q_out = padded_heads(dev, qd, qrows, H, L + R, pad, spec.out_head_pad);
     if (spec.nope == Nope::kCopy) {
       fill_bytes(*q_out.buffer, kPoisonByte);
-      ql_nope = padded_heads(dev, model, qrows, H, L, pad);
+      ql_nope = padded_heads(dev, model, qrows, H, L, pad, spec.in_head_pad);
       fill_random(*ql_nope.buffer, model, rng, spec.amplitude);
     } else {
       // The absorb GEMM's output already sits in q_out's nope part; it must stay as it is.

@@ -70,6 +70,7 @@ struct FusedSpec {
   bool index32 = false;            // int32 positions and slots
   bool decode_rows_exact = false;  // decode-only tensors have exactly Td rows (host Td)
   int64_t out_head_pad = 0;        // extra elements after every head of q_out / q_prefill_out
+  int64_t in_head_pad = 0;         // ... of q, q_pe and ql_nope
 
   // Safety.
   int64_t padding_every = 0;  // every k-th token (k > 0) is padding (slot -1)

@@ -123,6 +123,9 @@ TEST_P(GatherCache, SequencesMatchReference) {
   EXPECT_EQ(counts_to_string(counts.got), counts_to_string(counts.expected));
   EXPECT_TRUE(buffer_matches(*out.buffer, "out"));
   EXPECT_TRUE(buffer_unchanged(*cache.data, "kv_cache"));
+  if (cache.rope_data) {
+    EXPECT_TRUE(buffer_unchanged(*cache.rope_data, "rope cache"));
+  }
   EXPECT_TRUE(buffer_unchanged(*table.buffer, "block_table"));
 }
 

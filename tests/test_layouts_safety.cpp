@@ -115,10 +115,12 @@ std::vector<FusedSpec> layout_specs() {
     s.norm = true;
     out.push_back(s);
   }
-  // q_out / q_prefill_out heads padded: every output stride differs from its input's.
+  // Every per-head tensor's heads padded, the outputs' differently from the inputs': every head
+  // stride differs from the packed one and from every other tensor's.
   {
     FusedSpec s = named("out_heads_padded");
     s.out_head_pad = 8;
+    s.in_head_pad = 16;
     s.row_pad = 3;
     s.prefill_out = true;
     out.push_back(s);
@@ -274,9 +276,10 @@ TEST_P(CheckedMode, ReadErrorCountsThrowsIfAsked) {
 
 INSTANTIATE_TEST_SUITE_P(All, CheckedMode, testing::ValuesIn(all_backends()), backend_param_name);
 
-// Without ctx.error_counts nothing is counted, and every problem is still handled as usual: a
+// Without ctx.error_counts (no counter array to write) every problem is still handled as usual: a
 // device Td outside [0, T] is clamped, bad slots skipped, bad positions clamped (the reference's
-// bytes).
+// bytes), and nothing dereferences the absent counters (the CPU backend's null check, the CUDA
+// kernel's; under compute-sanitizer on the GPU).
 class NoCounters : public testing::TestWithParam<Backend> {};
 
 TEST_P(NoCounters, DeviceTdClampedBadSlotsAndPositionsHandled) {
@@ -291,7 +294,6 @@ TEST_P(NoCounters, DeviceTdClampedBadSlotsAndPositionsHandled) {
     problem.run_reference();
     problem.launch(Context{});
     problem.expect_matches();
-    EXPECT_TRUE(buffer_unchanged(*problem.counts.tensor.buffer, "error_counts (not given)"));
   }
 }
 

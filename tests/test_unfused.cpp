@@ -449,10 +449,10 @@ TEST_P(RmsNorm, EqualsTheCpuBackendBitwise) {
   const Device devices[2] = {dev, Device{}};
   for (int k = 0; k < 2; ++k) {
     std::mt19937_64 rng(c.N + 7);
-    Tensor input = random_tensor(devices[k], c.model, {T, c.N}, rng, 3.0f);
+    Tensor input = randomized(padded_rows(devices[k], c.model, T, c.N, c.input_row_pad), rng, 3.0f);
     Tensor weight = random_tensor(devices[k], c.model, {c.N}, rng, 1.5f);
-    outputs[k] = c.in_place ? input : poisoned_tensor(devices[k], c.model, {T, c.N});
-    upload_all({&input, &weight, &outputs[k]});
+    outputs[k] =
+        c.in_place ? input : poisoned(padded_rows(devices[k], c.model, T, c.N, c.output_row_pad));
     RmsNormParams p;
     p.num_tokens = T;
     p.input = input.device_view();

@@ -1063,20 +1063,26 @@ TEST(Validation, ViewHelpersEdges) {
   EXPECT_THROW(mlakv::make_view(dummy, DType::kFloat32, {}), mlakv::Error);
 }
 
-// memory.h's helpers on the CPU: copies and memset move exactly the bytes asked for; a call for 0
-// bytes does nothing (null pointers allowed, as empty tensors have them); a null pointer with
-// bytes to move is rejected.
+// memory.h's helpers on the CPU: copies and memset move exactly the bytes asked for (the bytes
+// after them keep the sentinel); a call for 0 bytes does nothing (null pointers allowed, as empty
+// tensors have them); a null pointer with bytes to move is rejected.
 TEST(Validation, CpuMemoryHelpers) {
   const mlakv::Device cpu{};
-  Buffer a(64), b(64);
-  uint8_t src[64], back[64];
-  for (int i = 0; i < 64; ++i) src[i] = static_cast<uint8_t>(i * 7 + 1);
+  constexpr int kMoved = 64, kAll = 80;  // bytes moved, and the buffers with a sentinel tail
+  Buffer a(kAll), b(kAll);
+  uint8_t src[kAll], back[kAll];
+  for (int i = 0; i < kAll; ++i) src[i] = static_cast<uint8_t>(i * 7 + 1);
+  std::memset(a.data(), kSentinel, kAll);
+  std::memset(back, kSentinel, kAll);
   EXPECT_EQ(reinterpret_cast<uintptr_t>(a.data()) % 256, 0u);
-  mlakv::copy_host_to_device(cpu, a.data(), src, 64);
+  mlakv::copy_host_to_device(cpu, a.data(), src, kMoved);
   mlakv::device_memset(cpu, a.data(), 0x5c, 16);
-  mlakv::copy_device_to_host(cpu, back, a.data(), 64);
-  for (int i = 0; i < 64; ++i) {
-    EXPECT_EQ(back[i], i < 16 ? 0x5c : src[i]) << "byte " << i;
+  const std::vector<uint8_t> device_side = a.snapshot();
+  mlakv::copy_device_to_host(cpu, back, a.data(), kMoved - 8);
+  for (int i = 0; i < kAll; ++i) {
+    const int want = i < 16 ? 0x5c : i < kMoved ? src[i] : kSentinel;
+    EXPECT_EQ(device_side[i], want) << "device byte " << i;
+    EXPECT_EQ(back[i], i < kMoved - 8 ? want : kSentinel) << "host byte " << i;
   }
   EXPECT_NO_THROW(mlakv::copy_host_to_device(cpu, nullptr, nullptr, 0));
   EXPECT_NO_THROW(mlakv::copy_device_to_host(cpu, nullptr, nullptr, 0));

@@ -147,8 +147,9 @@ void gather_cache_slots(const GatherCacheSlotsParams& params, const Context& ctx
 // row cu_seq_lens[b] + i. Rows at or past out.shape[0] are never written; block ids outside
 // [0, num_blocks), and tokens past their block-table row (i / block_size >= max_blocks_per_seq),
 // give zeros and are counted (kBadBlockIndex, once per row). cu_seq_lens outside its contract
-// (device data of an earlier batch) still writes only rows of out: a sequence whose start is
-// negative is skipped whole, neither written nor counted.
+// (device data of an earlier batch) still moves no write outside out's rows; which rows get
+// written is then not defined, except that leading sequences whose start is negative are skipped
+// whole, neither written nor counted, on every backend.
 struct GatherCacheSequencesParams {
   int64_t num_seqs = 0;  // B
   KVCacheView kv_cache;
