@@ -479,6 +479,28 @@ inline void rms_apply_row(const T* x, const T* __restrict w, T* out, int64_t n, 
 
 // ---- cache entry writers --------------------------------------------------------------------
 // Writes one entry from model-dtype rows (latent [L], rope [R]).
+// The amax of n values (num::amax_update over all of them) as 16 running maxima combined at the
+// end: the maximum does not depend on the order, and independent maxima let the compiler
+// vectorize the loop instead of chaining one compare a value (rmsnorm_quant_qc at T = 1024: 2.19 ->
+// 1.59 ms on the development machine).
+template <typename V>
+inline float amax_of(const V* v, int64_t n) {
+  constexpr int kLanes = 16;
+  float lane_max[kLanes] = {};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    for (int k = 0; k < kLanes; ++k) {
+      lane_max[k] = num::amax_update(lane_max[k], num::to_float(v[i + k]));
+    }
+  }
+  for (int k = 0; k < kLanes; ++k) {  // the last n % kLanes values
+    if (k < n - i) lane_max[k] = num::amax_update(lane_max[k], num::to_float(v[i + k]));
+  }
+  float amax = 0.0f;
+  for (int k = 0; k < kLanes; ++k) amax = num::amax_update(amax, lane_max[k]);
+  return amax;
+}
+
 template <typename Fmt, typename T>
 inline void write_entry(const core::CacheArg& cache, const EntryPtrs& entry, const T* latent,
                         const T* rope, int64_t L, int64_t R) {
@@ -487,15 +509,8 @@ inline void write_entry(const core::CacheArg& cache, const EntryPtrs& entry, con
     float scales[kDsMlaNumTiles];
     for (int64_t tile = 0; tile < kDsMlaNumTiles; ++tile) {
       const T* v = latent + tile * kDsMlaTileElems;
-      // 8 order-free running maxima, then combined: the amax does not depend on the order.
-      float lane_max[8] = {};
-      for (int64_t i = 0; i < kDsMlaTileElems; i += 8) {
-        for (int k = 0; k < 8; ++k)
-          lane_max[k] = num::amax_update(lane_max[k], num::to_float(v[i + k]));
-      }
-      float amax = 0.0f;
-      for (int k = 0; k < 8; ++k) amax = num::amax_update(amax, lane_max[k]);
-      const float scale = num::ds_mla_tile_scale(amax, cache.ds_mla_pow2_scale);
+      const float scale =
+          num::ds_mla_tile_scale(amax_of(v, kDsMlaTileElems), cache.ds_mla_pow2_scale);
       scales[tile] = scale;
       quantize_row<num::Fp8E4M3>(v, bytes + tile * kDsMlaTileElems, kDsMlaTileElems, scale);
     }

@@ -87,6 +87,9 @@ void decode_q_concat_impl(const core::DecodeQConcatArgs& a, const Context& ctx) 
           static_cast<const T*>(a.ql_nope) + t * a.stride_ql_nope_token + h * a.stride_ql_nope_head;
       const T* q_pe =
           static_cast<const T*>(a.q_pe) + t * a.stride_q_pe_token + h * a.stride_q_pe_head;
+      if (detail::kIsFp8<QOut> && h + 1 < h1) {  // as decode_q_item (mla_rope_cache.cpp)
+        detail::prefetch_read(ql_nope + a.stride_ql_nope_head, L * static_cast<int64_t>(sizeof(T)));
+      }
       detail::store_row(ql_nope, out, L, q_scale);
       detail::store_row(q_pe, out + L, R, q_scale);
     }

