@@ -477,8 +477,6 @@ inline void rms_apply_row(const T* x, const T* __restrict w, T* out, int64_t n, 
   }
 }
 
-// ---- cache entry writers --------------------------------------------------------------------
-// Writes one entry from model-dtype rows (latent [L], rope [R]).
 // The amax of n values (num::amax_update over all of them) as 16 running maxima combined at the
 // end: the maximum does not depend on the order, and independent maxima let the compiler
 // vectorize the loop instead of chaining one compare a value (rmsnorm_quant_qc at T = 1024: 2.19 ->
@@ -501,6 +499,8 @@ inline float amax_of(const V* v, int64_t n) {
   return amax;
 }
 
+// ---- cache entry writers --------------------------------------------------------------------
+// Writes one entry from model-dtype rows (latent [L], rope [R]).
 template <typename Fmt, typename T>
 inline void write_entry(const core::CacheArg& cache, const EntryPtrs& entry, const T* latent,
                         const T* rope, int64_t L, int64_t R) {
