@@ -87,7 +87,8 @@ Tensor new_strided_tensor(Device device, DType dtype, int64_t total_elems,
                           int64_t offset = 0);
 // Row-major [rows, cols] whose rows end with `row_pad` unused elements, `offset` elements in
 // front; [rows, H, cols] whose heads also end with `head_pad` (the strides of an engine's padded
-// or sliced tensors). The buffer is zeroed: fill it before use.
+// or sliced tensors). Only the host mirror exists (zeros): fill and upload it (randomized,
+// poisoned) before use.
 Tensor padded_rows(Device device, DType dtype, int64_t rows, int64_t cols, int64_t row_pad,
                    int64_t offset = 0);
 Tensor padded_heads(Device device, DType dtype, int64_t rows, int64_t H, int64_t cols,

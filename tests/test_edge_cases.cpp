@@ -318,7 +318,7 @@ TEST_P(GatherPastTable, ZerosCountedAndOutputBounded) {
   Tensor cu_seq_lens = index_tensor(dev, DType::kInt32, cu);
   // The buffer has 4 more rows past the view: the last sequence's rows past out.shape[0] and
   // beyond must stay poisoned.
-  Tensor out = poisoned(padded_rows(dev, od, out_rows + 4, D, 0));
+  Tensor out = poisoned_tensor(dev, od, {out_rows + 4, D});
   out = out.view(0, {out_rows, D}, out.stride);
 
   // The contract, independently of the reference: which rows are zeros, which are entries.

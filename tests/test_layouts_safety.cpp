@@ -118,13 +118,13 @@ std::vector<FusedSpec> layout_specs() {
   // Every per-head tensor's heads padded, the outputs' differently from the inputs': every head
   // stride differs from the packed one and from every other tensor's.
   {
-    FusedSpec s = named("out_heads_padded");
+    FusedSpec s = named("heads_padded");
     s.out_head_pad = 8;
     s.in_head_pad = 16;
     s.row_pad = 3;
     s.prefill_out = true;
     out.push_back(s);
-    s = named("out_heads_padded_fp8_qout");
+    s = named("heads_padded_fp8_qout");
     s.out_head_pad = 16;
     s.q_out_dtype = DType::kFloat8E4M3;
     s.q_scale = 0.02f;

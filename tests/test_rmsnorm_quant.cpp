@@ -915,8 +915,8 @@ TEST_P(RmsNormQuantTest, FusedEqualsUnfused) {
   p.quant = quant_view(j, c);
   rmsnorm_quant(p);
 
-  Tensor normed = padded_rows(device(), c.dtype, c.T, c.N, 0);
-  Tensor values = padded_rows(device(), DType::kFloat8E4M3, c.T, c.N, 0);
+  Tensor normed = new_tensor(device(), c.dtype, {c.T, c.N});
+  Tensor values = new_tensor(device(), DType::kFloat8E4M3, {c.T, c.N});
   Tensor scales = scales_tensor(device(), c.T, c.N / 128, ScaleLayout::kRowMajor, 0);
   for (const Tensor* t : {&normed, &values, &scales}) t->buffer->upload();
   RmsNormParams rn;
@@ -1054,7 +1054,7 @@ TEST_P(RmsNormQuantTest, DualKvEqualsRmsNorm) {
   MlaRmsNormQuantParams p = dual_params(q, qc, kv, kc);
   mla_rmsnorm_quant(p);
 
-  Tensor out = padded_rows(device(), kc.dtype, kc.T + kc.extra_rows, kc.N, 0);
+  Tensor out = new_tensor(device(), kc.dtype, {kc.T + kc.extra_rows, kc.N});
   fill_bytes(*out.buffer, kPoisonByte);
   out.buffer->upload();
   RmsNormParams rn;
@@ -1249,7 +1249,7 @@ TEST_P(RmsNormQuantTest, BadArgumentsWriteNothing) {
     c.group_size = 32;
     std::mt19937_64 rng(1001);
     Job j = make_job(dev, c, rng, true, false);
-    j.values = padded_rows(dev, DType::kFloat8E4M3, c.T, c.N, 0);
+    j.values = new_tensor(dev, DType::kFloat8E4M3, {c.T, c.N});
     j.scales = scales_tensor(dev, c.T, 48, ScaleLayout::kRowMajor, 0);
     upload(j);
     RmsNormQuantParams p;

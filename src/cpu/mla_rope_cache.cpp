@@ -129,12 +129,15 @@ void decode_q_item(const MlaRopeCacheArgs& a, int64_t t, int64_t h0, int64_t h1)
       detail::rope_row(q_pe, rope_buf, cs, R);
       detail::stream_bytes(rope_buf, out + L, R * kElem);
     } else {
-      // The next head's ql_nope row: the quantizing loop runs behind the hardware prefetcher and
-      // stalled on every line (decode_fp8 T = 128: 7.7 -> 2.8 ms on the development machine).
-      if (copy_nope && h + 1 < h1) {
-        detail::prefetch_read(ql_nope + a.stride_ql_nope_head, L * static_cast<int64_t>(sizeof(T)));
+      if (copy_nope) {
+        // The next head's ql_nope row: the quantizing loop runs behind the hardware prefetcher
+        // and stalled on every line (decode_fp8 T = 128: 7.7 -> 2.8 ms on the development machine).
+        if (h + 1 < h1) {
+          detail::prefetch_read(ql_nope + a.stride_ql_nope_head,
+                                L * static_cast<int64_t>(sizeof(T)));
+        }
+        detail::store_row(ql_nope, out, L, q_scale);
       }
-      if (copy_nope) detail::store_row(ql_nope, out, L, q_scale);
       if constexpr (std::is_same_v<T, QOut>) {
         detail::rope_row(q_pe, out + L, cs, R);
       } else {
