@@ -1,6 +1,7 @@
 // mlakv tests: the scalar numerics. Both the library's src/common/numerics.h and the reference's
 // own codec against a table of known values, then cross-checked against each other exhaustively;
-// RMSNorm's fp32 sum of squares (src/cpu/cpu_common.h) against its documented order.
+// RMSNorm's fp32 sum of squares (src/cpu/cpu_common.h) against its documented order, and the CPU
+// group amax (amax_of) against a plain loop.
 #include <gtest/gtest.h>
 
 #include <cfloat>
@@ -424,6 +425,39 @@ TEST(SumSquares, SmallTreesWrittenOut) {
     ASSERT_EQ(float_to_bits(cpu::detail::sum_squares(r.stored.data(), 6)), float_to_bits(six));
   }
 }
+
+// amax_of (16 running maxima) against one compare a value: the largest |v| with NaN skipped and
+// +0 for none, at every length up to 70, so that every partial tail (n % 16 != 0) runs; the
+// rmsnorm_quant and fp8_ds_mla callers only pass multiples of 16.
+template <typename V>
+void expect_amax_of(const char* dtype) {
+  std::mt19937_64 rng(0xa3a0f + sizeof(V));
+  std::uniform_real_distribution<float> value(-8.0f, 8.0f);
+  std::uniform_int_distribution<int> kind(0, 15);
+  for (int trial = 0; trial < 20; ++trial) {
+    for (int64_t n = 0; n <= 70; ++n) {
+      std::vector<V> v(static_cast<size_t>(n));
+      float expected = 0.0f;
+      for (auto& e : v) {
+        const int k = kind(rng);
+        const float f = k == 0                     ? kNaN
+                        : k == 1                   ? -0.0f
+                        : k == 2 && trial % 5 == 0 ? -kInf
+                                                   : value(rng);
+        e = num::from_float<V>(f);
+        const float stored = std::fabs(num::to_float(e));
+        if (!std::isnan(stored) && stored > expected) expected = stored;
+      }
+      const float got = cpu::detail::amax_of(v.data(), n);
+      ASSERT_EQ(float_to_bits(got), float_to_bits(expected))
+          << dtype << " n " << n << " trial " << trial << ": amax_of " << got << ", expected "
+          << expected;
+    }
+  }
+}
+
+TEST(AmaxOf, EveryTailFloat32) { expect_amax_of<float>("float32"); }
+TEST(AmaxOf, EveryTailBFloat16) { expect_amax_of<num::Bf16>("bfloat16"); }
 
 }  // namespace
 }  // namespace mlakv
