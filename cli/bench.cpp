@@ -186,15 +186,6 @@ std::string row_label(const Workload& w, int64_t T) {
   return std::string(w.name) + " T=" + std::to_string(T);
 }
 
-// First differing byte of two equal-size byte ranges, or -1.
-int64_t first_difference(const uint8_t* a, const uint8_t* b, size_t n) {
-  if (n == 0 || std::memcmp(a, b, n) == 0) return -1;
-  for (size_t i = 0; i < n; ++i) {
-    if (a[i] != b[i]) return static_cast<int64_t>(i);
-  }
-  return -1;
-}
-
 void expect_same(const std::string& label, const char* what, const char* versus,
                  const std::vector<uint8_t>& got, const std::vector<uint8_t>& expected,
                  size_t begin, size_t end) {

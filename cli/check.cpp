@@ -374,9 +374,9 @@ Mismatch compare_buffer(int id, const std::vector<uint8_t>& got,
     m.text = std::string(buffer_name(id)) + ": size differs";
     return m;
   }
-  if (got.empty() || std::memcmp(got.data(), expected.data(), got.size()) == 0) return m;
-  size_t at = 0;
-  while (got[at] == expected[at]) ++at;
+  const int64_t first = first_difference(got.data(), expected.data(), got.size());
+  if (first < 0) return m;
+  const size_t at = static_cast<size_t>(first);
   char buf[64];
   std::snprintf(buf, sizeof(buf), " 0x%02x vs %s 0x%02x", got[at], versus, expected[at]);
   m.found = true;

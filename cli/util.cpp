@@ -150,6 +150,14 @@ std::vector<uint8_t> rope_table_bytes(int64_t max_pos, int64_t R, DType dtype) {
   return out;
 }
 
+int64_t first_difference(const uint8_t* a, const uint8_t* b, size_t n) {
+  if (n == 0 || std::memcmp(a, b, n) == 0) return -1;
+  for (size_t i = 0; i < n; ++i) {
+    if (a[i] != b[i]) return static_cast<int64_t>(i);
+  }
+  return -1;
+}
+
 double percentile(std::vector<double> values, double p) {
   if (values.empty()) return 0.0;
   std::sort(values.begin(), values.end());

@@ -78,6 +78,9 @@ std::vector<uint8_t> index_bytes(const std::vector<int64_t>& values, DType dtype
 // A DeepSeek-style cos/sin table [max_pos, R] (plain RoPE, base 10000) in `dtype`, as raw bytes.
 std::vector<uint8_t> rope_table_bytes(int64_t max_pos, int64_t R, DType dtype);
 
+// The first differing byte of two byte ranges of n bytes each, or -1 when they are equal.
+int64_t first_difference(const uint8_t* a, const uint8_t* b, size_t n);
+
 // Percentile p in [0, 100] of `values` (linear interpolation); values need not be sorted.
 double percentile(std::vector<double> values, double p);
 
