@@ -123,7 +123,8 @@ void check_cache_dtype(const char* name, const at::Tensor& t, CacheFormat format
 
 KVCacheView to_cache_view(const at::Tensor& kv_cache, c10::string_view cache_format,
                           const OptTensor& kv_cache_scale, const OptTensor& kv_cache_rope,
-                          int64_t kv_lora_rank, int64_t rope_dim, bool ds_mla_pow2_scale) {
+                          int64_t kv_lora_rank, int64_t rope_dim, const char* widths_from,
+                          bool ds_mla_pow2_scale) {
   TORCH_CHECK(kv_cache.defined(), "mlakv: kv_cache: expected a tensor, got an undefined one");
   const CacheFormat format = to_cache_format(cache_format, kv_cache);
   const DType latent = cache_latent_dtype(format);
@@ -164,9 +165,9 @@ KVCacheView to_cache_view(const at::Tensor& kv_cache, c10::string_view cache_for
     const int64_t rope_width = rope.size(2) * rope_elem / latent_bytes;
     const int64_t latent_width = entry_bytes / latent_bytes;
     TORCH_CHECK(L < 0 || L == latent_width, "mlakv: kv_cache: expected a latent part of ", L,
-                " values (kv_lora_rank), got ", latent_width);
+                " values (L, from ", widths_from, "), got ", latent_width);
     TORCH_CHECK(R < 0 || R == rope_width, "mlakv: kv_cache_rope: expected ", R,
-                " values per token (rope dim), got ", rope_width);
+                " values per token (R, from ", widths_from, "), got ", rope_width);
     L = latent_width;
     R = rope_width;
     v.rope_data = rope.data_ptr();
@@ -181,8 +182,9 @@ KVCacheView to_cache_view(const at::Tensor& kv_cache, c10::string_view cache_for
     }
     const int64_t expected = cache_entry_bytes(format, L, R);
     TORCH_CHECK(entry_bytes == expected, "mlakv: kv_cache: a ", cache_format_name(format),
-                " entry with L = ", L, ", R = ", R, " is ", expected, " bytes, got ", entry_bytes,
-                " bytes per entry (shape ", kv_cache.sizes(), ", ", kv_cache.scalar_type(), ")");
+                " entry with L = ", L, ", R = ", R, " (from ", widths_from, ") is ", expected,
+                " bytes, got ", entry_bytes, " bytes per entry (shape ", kv_cache.sizes(), ", ",
+                kv_cache.scalar_type(), ")");
   }
   v.kv_lora_rank = L;
   v.rope_dim = R;

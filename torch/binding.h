@@ -46,10 +46,12 @@ CacheFormat to_cache_format(c10::string_view name, const at::Tensor& kv_cache);
 // A KVCacheView of kv_cache [num_blocks, block_size, entry] (uint8 bytes for every format, or the
 // format's own element type for the raw and per-tensor fp8 formats; byte strides), or of the split
 // pair kv_cache [.., L] + kv_cache_rope [.., R]. L = kv_lora_rank; R = rope_dim, or derived from
-// the entry width when rope_dim < 0.
+// the entry width when rope_dim < 0. `widths_from` says where L and R came from, for the messages
+// of a cache that does not fit them ("kv_lora_rank", "the widths of kv_c and k_pe").
 KVCacheView to_cache_view(const at::Tensor& kv_cache, c10::string_view cache_format,
                           const OptTensor& kv_cache_scale, const OptTensor& kv_cache_rope,
-                          int64_t kv_lora_rank, int64_t rope_dim, bool ds_mla_pow2_scale);
+                          int64_t kv_lora_rank, int64_t rope_dim, const char* widths_from,
+                          bool ds_mla_pow2_scale);
 
 // L + R of a cache (what the gather ops return per row).
 int64_t cache_entry_width(const KVCacheView& cache);
@@ -62,13 +64,13 @@ int32_t* to_error_counts(const OptTensor& error_counts, const at::Device& device
 bool pdl_enabled();
 
 // Runs `fn` and turns an mlakv::Error into a c10::Error (a Python RuntimeError) carrying the core's
-// message.
+// message, prefixed "mlakv: " as the binding's own messages are (without the core's file:line).
 template <typename Fn>
 decltype(auto) translate_errors(Fn&& fn) {
   try {
     return std::forward<Fn>(fn)();
   } catch (const Error& e) {
-    TORCH_CHECK(false, e.what());
+    TORCH_CHECK(false, "mlakv: ", e.message());
   }
 }
 

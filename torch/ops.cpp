@@ -69,7 +69,8 @@ void mla_rope_cache_op(const at::Tensor& positions, const at::Tensor& slot_mappi
     p.kv_norm_weight = to_view("kv_norm_weight", kv_norm_weight);
     p.kv_norm_eps = static_cast<float>(kv_norm_eps);
     p.kv_cache = to_cache_view(kv_cache, cache_format, kv_cache_scale, kv_cache_rope, kv_c.size(-1),
-                               p.k_pe.shape[p.k_pe.ndim - 1], ds_mla_pow2_scale);
+                               p.k_pe.shape[p.k_pe.ndim - 1], "the widths of kv_c and k_pe",
+                               ds_mla_pow2_scale);
     if (k_pe_out.has_value()) p.k_pe_out = to_view_squeeze_heads("k_pe_out", *k_pe_out);
     p.kv_c_out = to_view("kv_c_out", kv_c_out);
     p.q_pe = to_view("q_pe", q_pe);
@@ -118,7 +119,8 @@ void concat_and_cache_mla_op(const at::Tensor& kv_c, const at::Tensor& k_pe, at:
     p.k_pe = to_view_squeeze_heads("k_pe", k_pe);
     p.slot_mapping = to_view("slot_mapping", slot_mapping);
     p.kv_cache = to_cache_view(kv_cache, cache_format, kv_cache_scale, kv_cache_rope, kv_c.size(-1),
-                               p.k_pe.shape[p.k_pe.ndim - 1], ds_mla_pow2_scale);
+                               p.k_pe.shape[p.k_pe.ndim - 1], "the widths of kv_c and k_pe",
+                               ds_mla_pow2_scale);
     concat_and_cache_mla(p, env.ctx);
   });
 }
@@ -168,7 +170,7 @@ void gather_cache_slots_out_op(at::Tensor& out, const at::Tensor& kv_cache,
     GatherCacheSlotsParams p;
     p.num_tokens = slots.size(0);
     p.kv_cache = to_cache_view(kv_cache, cache_format, kv_cache_scale, kv_cache_rope, kv_lora_rank,
-                               -1, false);
+                               -1, "kv_lora_rank", false);
     p.slots = to_view("slots", slots);
     p.out = to_view("out", out);
     gather_cache_slots(p, env.ctx);
@@ -185,7 +187,7 @@ at::Tensor gather_cache_slots_op(const at::Tensor& kv_cache, c10::string_view ca
   at::Tensor out = translate_errors([&] {
     check_gather_dtype(out_dtype);
     const KVCacheView cache = to_cache_view(kv_cache, cache_format, kv_cache_scale, kv_cache_rope,
-                                            kv_lora_rank, -1, false);
+                                            kv_lora_rank, -1, "kv_lora_rank", false);
     return at::empty({leading_size("slots", slots), cache_entry_width(cache)},
                      kv_cache.options().dtype(out_dtype));
   });
@@ -208,7 +210,7 @@ void gather_cache_sequences_out_op(at::Tensor& out, const at::Tensor& kv_cache,
     GatherCacheSequencesParams p;
     p.num_seqs = cu_seq_lens.size(0) - 1;
     p.kv_cache = to_cache_view(kv_cache, cache_format, kv_cache_scale, kv_cache_rope, kv_lora_rank,
-                               -1, false);
+                               -1, "kv_lora_rank", false);
     p.block_table = to_view("block_table", block_table);
     p.cu_seq_lens = to_view("cu_seq_lens", cu_seq_lens);
     p.out = to_view("out", out);
@@ -226,7 +228,7 @@ at::Tensor gather_cache_sequences_op(const at::Tensor& kv_cache, c10::string_vie
     check_gather_dtype(out_dtype);
     TORCH_CHECK(num_out_rows >= 0, "mlakv: num_out_rows: expected >= 0, got ", num_out_rows);
     const KVCacheView cache = to_cache_view(kv_cache, cache_format, kv_cache_scale, kv_cache_rope,
-                                            kv_lora_rank, -1, false);
+                                            kv_lora_rank, -1, "kv_lora_rank", false);
     // Rows past cu_seq_lens[B] belong to no sequence: zeros, never uninitialized memory.
     return at::zeros({num_out_rows, cache_entry_width(cache)}, kv_cache.options().dtype(out_dtype));
   });
@@ -265,11 +267,11 @@ TORCH_LIBRARY(mlakv, m) {
       "bool ds_mla_pow2_scale=False) -> ()");
   m.def(
       "rotary_embedding(Tensor positions, Tensor(a!) query, Tensor(b!)? key, int head_size, "
-      "Tensor cos_sin_cache, bool is_neox, Tensor(c!)? error_counts) -> ()");
+      "Tensor cos_sin_cache, bool is_neox, Tensor(c!)? error_counts=None) -> ()");
   m.def(
       "concat_and_cache_mla(Tensor kv_c, Tensor k_pe, Tensor(a!) kv_cache, Tensor slot_mapping, "
-      "str cache_format, Tensor? kv_cache_scale, Tensor(b!)? kv_cache_rope, "
-      "Tensor(c!)? error_counts, bool ds_mla_pow2_scale=False) -> ()");
+      "str cache_format, Tensor? kv_cache_scale=None, Tensor(b!)? kv_cache_rope=None, "
+      "Tensor(c!)? error_counts=None, bool ds_mla_pow2_scale=False) -> ()");
   m.def("decode_q_concat(Tensor ql_nope, Tensor q_pe, Tensor(a!) q_out, Tensor? q_scale) -> ()");
   m.def("rms_norm(Tensor(a!) out, Tensor input, Tensor weight, float eps) -> ()");
   m.def(

@@ -30,11 +30,21 @@ for _name in ("mla_rope_cache", "rotary_embedding", "concat_and_cache_mla", "dec
     torch.library.register_fake(f"mlakv::{_name}")(_writes_only(_name))
 
 
+def _gather_width(kv_cache, cache_format, kv_lora_rank, kv_cache_rope, out_dtype):
+    # What the real gather ops reject before they look at the data, with their exception type.
+    if out_dtype not in (torch.float32, torch.bfloat16):
+        raise RuntimeError(f"mlakv: out_dtype: expected float32 or bfloat16, got {out_dtype}")
+    try:
+        return cache_latent_width(kv_cache, cache_format, kv_lora_rank, kv_cache_rope)
+    except ValueError as e:
+        raise RuntimeError(f"mlakv: {e}") from None
+
+
 @torch.library.register_fake("mlakv::gather_cache_slots")
 def _gather_cache_slots_fake(kv_cache, cache_format, kv_cache_scale, kv_cache_rope, slots,
                              kv_lora_rank, out_dtype):
     _one_device("gather_cache_slots", (kv_cache, kv_cache_scale, kv_cache_rope, slots))
-    width = cache_latent_width(kv_cache, cache_format, kv_lora_rank, kv_cache_rope)
+    width = _gather_width(kv_cache, cache_format, kv_lora_rank, kv_cache_rope, out_dtype)
     return kv_cache.new_empty((slots.shape[0], width), dtype=out_dtype)
 
 
@@ -43,5 +53,7 @@ def _gather_cache_sequences_fake(kv_cache, cache_format, kv_cache_scale, kv_cach
                                  block_table, cu_seq_lens, num_out_rows, kv_lora_rank, out_dtype):
     _one_device("gather_cache_sequences",
                 (kv_cache, kv_cache_scale, kv_cache_rope, block_table, cu_seq_lens))
-    width = cache_latent_width(kv_cache, cache_format, kv_lora_rank, kv_cache_rope)
+    torch._check(num_out_rows >= 0,
+                 lambda: f"mlakv: num_out_rows: expected >= 0, got {num_out_rows}")
+    width = _gather_width(kv_cache, cache_format, kv_lora_rank, kv_cache_rope, out_dtype)
     return kv_cache.new_empty((num_out_rows, width), dtype=out_dtype)

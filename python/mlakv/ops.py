@@ -96,7 +96,11 @@ def mla_rope_cache_decode(positions, slot_mapping, cos_sin_cache, kv_c, k_pe, kv
 
 def mla_rope_cache_prefill(positions, slot_mapping, cos_sin_cache, kv_c, k_pe, kv_cache,
                            **kwargs) -> None:
-    """``mla_rope_cache`` with every token a prefill token (Td = 0); same arguments."""
+    """``mla_rope_cache`` with every token a prefill token (Td = 0); same arguments, ``q``
+    required (as the C++ ``mla_rope_cache_prefill``)."""
+    if kwargs.get("q") is None:
+        raise RuntimeError("mlakv: mla_rope_cache_prefill: q: expected 3 dims [T, H, P + R] "
+                           "(the prefill Q side), got absent")
     kwargs["num_decode_tokens"] = 0
     kwargs.pop("num_decode_tokens_device", None)
     mla_rope_cache(positions, slot_mapping, cos_sin_cache, kv_c, k_pe, kv_cache, **kwargs)
@@ -219,8 +223,11 @@ def gather_cache_sequences(kv_cache: torch.Tensor, block_table: torch.Tensor,
                                            block_table, cu_seq_lens, _count(num_out_rows),
                                            int(kv_lora_rank), out_dtype)
     if out is None:
+        rows = _count(num_out_rows)
+        if not isinstance(rows, torch.SymInt) and rows < 0:
+            raise RuntimeError(f"mlakv: num_out_rows: expected >= 0, got {rows}")
         width = cache_latent_width(kv_cache, fmt, kv_lora_rank, kv_cache_rope)
-        out = torch.zeros(_count(num_out_rows), width, dtype=out_dtype, device=kv_cache.device)
+        out = torch.zeros(rows, width, dtype=out_dtype, device=kv_cache.device)
     _ops.gather_cache_sequences_out(out, kv_cache, fmt, kv_cache_scale, kv_cache_rope,
                                     block_table, cu_seq_lens, int(kv_lora_rank), error_counts)
     return out

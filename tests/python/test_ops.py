@@ -417,6 +417,61 @@ def test_argument_errors_name_the_argument(device):
         mlakv.gather_cache_slots(cache, x.slot_mapping, kv_lora_rank=608, cache_format="bf16")
 
 
+def test_binding_errors_say_where_they_come_from(device):
+    """The core's messages come with the binding's "mlakv: " prefix and no source location; a
+    cache that does not fit kv_c's and k_pe's widths says that the widths came from them; the
+    prefill wrapper wants q, as the C++ entry point does; a negative row count is mlakv's error."""
+    cfg = TP8
+    x = make_mla_inputs(cfg, "bf16", T=4, device=device)
+    with pytest.raises(RuntimeError, match=r"^mlakv: mla_rope_cache: k_pe") as e:
+        mlakv.mla_rope_cache(x.positions, x.slot_mapping, x.cos_sin_cache, x.kv_c,
+                             x.k_pe.float(), x.kv_cache, cache_format="bf16")
+    assert ".cpp:" not in str(e.value).splitlines()[0]
+    # kv_a's whole output passed as kv_c: L = 576 does not fit the cache's 576-value entries.
+    kv_a = torch.zeros(4, cfg.L + cfg.R, dtype=torch.bfloat16, device=device)
+    before = x.kv_cache.clone()
+    with pytest.raises(RuntimeError, match="L = 576, R = 64 \\(from the widths of kv_c and k_pe\\)"):
+        mlakv.concat_and_cache_mla(kv_a, x.k_pe, x.kv_cache, x.slot_mapping, cache_format="bf16")
+    with pytest.raises(RuntimeError, match="from the widths of kv_c and k_pe"):
+        mlakv.mla_rope_cache_decode(x.positions, x.slot_mapping, x.cos_sin_cache, kv_a, x.k_pe,
+                                    x.kv_cache, cache_format="bf16")
+    assert torch.equal(x.kv_cache, before), "a rejected op must write nothing"
+    with pytest.raises(RuntimeError, match="mla_rope_cache_prefill: q: expected 3 dims"):
+        mlakv.mla_rope_cache_prefill(x.positions, x.slot_mapping, x.cos_sin_cache, x.kv_c,
+                                     x.k_pe, x.kv_cache, cache_format="bf16")
+    assert torch.equal(x.kv_cache, before)
+    counts = mlakv.new_error_counts(device)
+    with pytest.raises(RuntimeError, match="mlakv: num_out_rows: expected >= 0, got -1"):
+        mlakv.gather_cache_sequences(x.kv_cache.view(torch.bfloat16),
+                                     torch.zeros(1, 1, dtype=torch.int32, device=device),
+                                     torch.tensor([0, 1], dtype=torch.int32, device=device), -1,
+                                     kv_lora_rank=cfg.L, error_counts=counts)
+
+
+def test_raw_ops_take_vllms_leading_arguments(device):
+    """torch.ops.mlakv.rotary_embedding and concat_and_cache_mla called with vLLM's arguments only
+    (the trailing optional ones left out) do what the wrappers do."""
+    cfg = TP8
+    x = make_mla_inputs(cfg, "bf16", T=4, device=device)
+    y = make_mla_inputs(cfg, "bf16", T=4, device=device)
+    q_pe = x.q_pe.clone()
+    k_pe = x.k_pe.clone().unsqueeze(1)
+    torch.ops.mlakv.rotary_embedding(x.positions, q_pe, k_pe, cfg.R, x.cos_sin_cache, False)
+    q_expected = x.q_pe.clone()
+    k_expected = x.k_pe.clone().unsqueeze(1)
+    mlakv.rotary_embedding(x.positions, q_expected, k_expected, x.cos_sin_cache)
+    assert_bytes_equal(q_pe, q_expected)
+    assert_bytes_equal(k_pe, k_expected)
+    torch.ops.mlakv.concat_and_cache_mla(x.kv_c, x.k_pe, x.kv_cache, x.slot_mapping, "bf16")
+    mlakv.concat_and_cache_mla(y.kv_c.copy_(x.kv_c), y.k_pe.copy_(x.k_pe), y.kv_cache,
+                               y.slot_mapping.copy_(x.slot_mapping), cache_format="bf16")
+    assert_bytes_equal(x.kv_cache, y.kv_cache)
+    z = make_mla_inputs(cfg, "fp8_e4m3", T=4, device=device)
+    torch.ops.mlakv.concat_and_cache_mla(z.kv_c, z.k_pe, z.kv_cache, z.slot_mapping, "fp8",
+                                         z.kv_cache_scale)
+    assert z.kv_cache.any()
+
+
 @pytest.mark.parametrize("fmt", ["bf16", "fp8_ds_mla"])
 def test_cache_of_one_block_with_any_block_stride(fmt, device):
     """A view of one block (here a transposed [4, 1, entry] buffer: block stride 1152) or of

@@ -1,5 +1,7 @@
 """torch.library.opcheck of every op, torch.compile(fullgraph=True) and CUDA-graph capture."""
 
+import contextlib
+
 import pytest
 import torch
 
@@ -234,6 +236,28 @@ def test_fake_kernels_shapes():
                                            torch.tensor([0, 3, 7], dtype=torch.int32), 7,
                                            kv_lora_rank=cfg.L, cache_format="fp8_ds_mla")
         assert seq.shape == (7, cfg.L + cfg.R) and seq.dtype == torch.float32
+
+
+def test_fake_kernels_reject_what_the_gathers_reject():
+    """The functional gathers' fake kernels raise the real ops' RuntimeError for an out_dtype they
+    do not produce and a byte cache without a format, so a compiled graph fails where eager does."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    cfg = TP8
+    cache = mlakv.allocate_cache(4, 4, cfg.L, cfg.R, "fp8_ds_mla")
+    slots = torch.arange(6)
+    table = torch.zeros(2, 2, dtype=torch.int32)
+    cu = torch.tensor([0, 3, 7], dtype=torch.int32)
+    for mode in (None, FakeTensorMode(allow_non_fake_inputs=True)):
+        with mode if mode is not None else contextlib.nullcontext():
+            with pytest.raises(RuntimeError, match="out_dtype: expected float32 or bfloat16"):
+                torch.ops.mlakv.gather_cache_slots(cache, "fp8_ds_mla", None, None, slots, cfg.L,
+                                                   torch.float16)
+            with pytest.raises(RuntimeError, match="out_dtype: expected float32 or bfloat16"):
+                torch.ops.mlakv.gather_cache_sequences(cache, "fp8_ds_mla", None, None, table, cu,
+                                                       7, cfg.L, torch.float16)
+            with pytest.raises(RuntimeError, match="auto"):
+                torch.ops.mlakv.gather_cache_slots(cache, "auto", None, None, slots, cfg.L,
+                                                   torch.float32)
 
 
 @requires_cuda
