@@ -40,8 +40,9 @@ class Timer {
   // the faster of the two): a plain streaming copy kernel on CUDA (16-byte aligned buffers); an
   // empty Op where copy_op is the only way (the CPU).
   virtual Op kernel_copy_op(void* /*dst*/, const void* /*src*/, size_t /*bytes*/) { return {}; }
-  // An op that copies `rows` rows of `width_bytes` between pitched buffers (torch's strided copy_,
-  // cudaMemcpy2DAsync on CUDA).
+  // An op that copies `rows` rows of `width_bytes` between pitched buffers, as torch's strided
+  // copy_ does (CUDA: an elementwise copy kernel, cudaMemcpy2DAsync where the rows are not
+  // 16-byte vectors; the CPU: a memcpy a row over the OpenMP threads).
   virtual Op copy_2d_op(void* dst, size_t dst_pitch_bytes, const void* src, size_t src_pitch_bytes,
                         size_t width_bytes, size_t rows) = 0;
   // An op that does nothing on the device (an empty one-warp kernel on CUDA, an empty OpenMP
