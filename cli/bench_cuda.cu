@@ -70,22 +70,18 @@ __global__ void __launch_bounds__(kCopyThreads)
   dependent_launch_handshake();
   const size_t first = static_cast<size_t>(blockIdx.x) * kCopyThreads * kCopyVecs + threadIdx.x;
   uint4 v[kCopyVecs];
+  size_t row[kCopyVecs], col[kCopyVecs];  // vector k: row k / vecs_per_row, vector col in it
 #pragma unroll
   for (int i = 0; i < kCopyVecs; ++i) {
     const size_t k = first + static_cast<size_t>(i) * kCopyThreads;
-    if (k < vecs) {
-      const size_t row = k / vecs_per_row;
-      const size_t col = k - row * vecs_per_row;
-      v[i] = __ldcs(reinterpret_cast<const uint4*>(src + row * src_pitch) + col);
-    }
+    row[i] = k / vecs_per_row;
+    col[i] = k - row[i] * vecs_per_row;
+    if (k < vecs) v[i] = __ldcs(reinterpret_cast<const uint4*>(src + row[i] * src_pitch) + col[i]);
   }
 #pragma unroll
   for (int i = 0; i < kCopyVecs; ++i) {
-    const size_t k = first + static_cast<size_t>(i) * kCopyThreads;
-    if (k < vecs) {
-      const size_t row = k / vecs_per_row;
-      const size_t col = k - row * vecs_per_row;
-      __stcs(reinterpret_cast<uint4*>(dst + row * dst_pitch) + col, v[i]);
+    if (first + static_cast<size_t>(i) * kCopyThreads < vecs) {
+      __stcs(reinterpret_cast<uint4*>(dst + row[i] * dst_pitch) + col[i], v[i]);
     }
   }
 }
