@@ -40,8 +40,8 @@ constexpr float kNormEps = 1e-6f;   // q/kv_a_layernorm's eps (DeepSeek-V3 rms_n
 // The DeepSeek-V3 YaRN table has 4096 * 40 positions; decode positions are spread over all of it.
 constexpr int64_t kMaxPos = 163840;
 constexpr float kFp8CacheScale = 0.0234375f;
-// Enough sets that every mla_rope_cache row's inputs exceed the timer's rotation (200 MB on CUDA:
-// 673 sets of decode_bf16 T = 1); only the smallest rows of decode_nope_in_q_out and the norms
+// Enough sets that every mla_rope_cache row's inputs exceed the timer's rotation (200 MiB on CUDA:
+// 706 sets of decode_bf16 T = 1); only the smallest rows of decode_nope_in_q_out and the norms
 // stay below it (the `sets` column says how many were rotated).
 constexpr int kMaxSets = 1024;
 // The reference is a scalar host loop: check it against the fused op at every T up to this.

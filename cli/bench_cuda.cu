@@ -155,7 +155,9 @@ class CudaTimer : public Timer {
     const double estimate_us = std::max(1.0, 1e3 * eager_ms / num_sets);
 
     // One graph = whole rotations over the input sets, long enough (>= kMinGraphUs) that the
-    // graph launch itself is hidden; the per-launch time is the replay time / launches.
+    // graph launch itself is hidden; the per-launch time is the replay time / launches. Several
+    // rotations only while they stay within kMaxLaunchesPerGraph; a rotation of more sets (up to
+    // bench.cpp's 1024) is one graph of its own.
     int rotations = static_cast<int>(std::ceil(kMinGraphUs / (estimate_us * num_sets)));
     rotations = std::clamp(rotations, 1, std::max(1, kMaxLaunchesPerGraph / num_sets));
     const int launches = rotations * num_sets;
@@ -268,7 +270,7 @@ class CudaTimer : public Timer {
 
  private:
   static constexpr double kMinGraphUs = 200.0;
-  static constexpr int kMaxLaunchesPerGraph = 400;
+  static constexpr int kMaxLaunchesPerGraph = 400;  // for repeating a rotation (see time())
   static constexpr double kTargetUs = 200e3;
   int device_index_;
   int iters_;

@@ -175,14 +175,16 @@ KVCacheView to_cache_view(const at::Tensor& kv_cache, c10::string_view cache_for
     v.stride_rope_token_bytes = rope.stride(1) * rope_elem;
   } else {
     TORCH_CHECK(L >= 0, "mlakv: kv_lora_rank: expected >= 0, got ", L);
-    if (R < 0) {
+    const bool r_of_cache = R < 0;  // R taken from the cache (its format or its entry width)
+    if (r_of_cache) {
       R = format == CacheFormat::kFloat8DsMla ? kDsMlaRopeDim : entry_bytes / latent_bytes - L;
       TORCH_CHECK(R >= 0, "mlakv: kv_lora_rank: expected at most ", entry_bytes / latent_bytes,
                   " (the values of a kv_cache entry), got ", L);
     }
     const int64_t expected = cache_entry_bytes(format, L, R);
     TORCH_CHECK(entry_bytes == expected, "mlakv: kv_cache: a ", cache_format_name(format),
-                " entry with L = ", L, ", R = ", R, " (from ", widths_from, ") is ", expected,
+                " entry with L = ", L, ", R = ", R, " (", r_of_cache ? "L from " : "from ",
+                widths_from, r_of_cache ? ", R from the cache" : "", ") is ", expected,
                 " bytes, got ", entry_bytes, " bytes per entry (shape ", kv_cache.sizes(), ", ",
                 kv_cache.scalar_type(), ")");
   }

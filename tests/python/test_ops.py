@@ -436,6 +436,10 @@ def test_binding_errors_say_where_they_come_from(device):
         mlakv.mla_rope_cache_decode(x.positions, x.slot_mapping, x.cos_sin_cache, kv_a, x.k_pe,
                                     x.kv_cache, cache_format="bf16")
     assert torch.equal(x.kv_cache, before), "a rejected op must write nothing"
+    # A gather takes L from kv_lora_rank and R from the cache: an entry of 1153 bytes fits no R.
+    odd = torch.zeros(4, 4, 2 * (cfg.L + cfg.R) + 1, dtype=torch.uint8, device=device)
+    with pytest.raises(RuntimeError, match="L from kv_lora_rank, R from the cache"):
+        mlakv.gather_cache_slots(odd, x.slot_mapping, kv_lora_rank=cfg.L, cache_format="bf16")
     with pytest.raises(RuntimeError, match="mla_rope_cache_prefill: q: expected 3 dims"):
         mlakv.mla_rope_cache_prefill(x.positions, x.slot_mapping, x.cos_sin_cache, x.kv_c,
                                      x.k_pe, x.kv_cache, cache_format="bf16")
