@@ -206,6 +206,14 @@ void expect_same(const std::string& label, const char* what, const char* versus,
   }
 }
 
+// An input the op must not write: its device buffer still holds its upload (an empty host copy:
+// the row has no such input).
+void expect_unchanged(const std::string& label, const char* what, const Buffer& device,
+                      const std::vector<uint8_t>& uploaded) {
+  if (uploaded.empty()) return;
+  expect_same(label, what, "its upload", device.download(), uploaded, 0, uploaded.size());
+}
+
 // One (workload, T) row of the table: its input sets, ops and correctness check.
 class BenchRow {
  public:
@@ -358,22 +366,12 @@ class Row : public BenchRow {
     const std::vector<uint8_t> q_fused = has_q() ? in.q.download() : std::vector<uint8_t>();
     // The fused op writes none of its inputs (q's rope part is the in-place output, compared
     // below).
-    expect_same(label, "positions", "their upload", in.positions.download(), in.host.positions, 0,
-                in.host.positions.size());
-    expect_same(label, "slot_mapping", "its upload", in.slots.download(), in.host.slots, 0,
-                in.host.slots.size());
-    expect_same(label, "kv_c", "its upload", in.kv_c.download(), in.host.kv_c, 0,
-                in.host.kv_c.size());
-    expect_same(label, "k_pe", "its upload", in.k_pe.download(), in.host.k_pe, 0,
-                in.host.k_pe.size());
-    if (!in.host.q_pe.empty()) {
-      expect_same(label, "q_pe", "its upload", in.q_pe.download(), in.host.q_pe, 0,
-                  in.host.q_pe.size());
-    }
-    if (!in.host.ql_nope.empty()) {
-      expect_same(label, "ql_nope", "its upload", in.ql_nope.download(), in.host.ql_nope, 0,
-                  in.host.ql_nope.size());
-    }
+    expect_unchanged(label, "positions", in.positions, in.host.positions);
+    expect_unchanged(label, "slot_mapping", in.slots, in.host.slots);
+    expect_unchanged(label, "kv_c", in.kv_c, in.host.kv_c);
+    expect_unchanged(label, "k_pe", in.k_pe, in.host.k_pe);
+    expect_unchanged(label, "q_pe", in.q_pe, in.host.q_pe);
+    expect_unchanged(label, "ql_nope", in.ql_nope, in.host.ql_nope);
 
     restore_inputs(in);
     poison_outputs(in);
@@ -659,11 +657,8 @@ class NormRow : public BenchRow {
     fused_op(0)(nullptr);
     device_synchronize(device_);
     const Outputs fused = download(in);
-    expect_same(label, "q_c", "its upload", in.q_c.download(), q_c_host_, 0, q_c_host_.size());
-    if (dual_) {
-      expect_same(label, "kv_c", "its upload", in.kv_c.download(), kv_c_host_, 0,
-                  kv_c_host_.size());
-    }
+    expect_unchanged(label, "q_c", in.q_c, q_c_host_);
+    expect_unchanged(label, "kv_c", in.kv_c, kv_c_host_);  // the dual form's (empty otherwise)
     poison_outputs(in);
     unfused_op(0)(nullptr);
     device_synchronize(device_);
