@@ -11,8 +11,14 @@ same way (in place), so a test runs both on cloned inputs and compares. Math fol
   kernels' bytes exactly.
 * FP8: saturating round-to-nearest-even (clamp to +-max first: torch's casts do not saturate),
   NaN stays NaN; stored value = ``cvt(x / scale)`` with the value first rounded to the model dtype.
+* NaN: a computed or converted output that is NaN has the library's canonical encoding
+  (docs/decisions.md "Encoders"): 0x7fff for bf16 / fp16, 0x7fffffff for fp32, 0x7f for fp8,
+  whatever the sign and payload (torch's casts keep the sign, fp32 the payload too): see
+  ``encode``. A value moved into a tensor of its own dtype (kv_c into a cache of the model dtype,
+  ql_nope into q_out) is copied, its bytes kept, as the library does.
 * fp8_ds_mla: per tile of 128, scale = ``max(amax / 448, FLT_MIN)`` (optionally rounded up to a
-  power of two), 512 e4m3 bytes, 4 fp32 scales, 64 bf16 rope values.
+  power of two; the amax ignores NaN, as the library's does), 512 e4m3 bytes, 4 fp32 scales, 64
+  bf16 rope values.
 """
 
 from typing import Optional
@@ -51,10 +57,26 @@ def rope_rotate(x: torch.Tensor, y: torch.Tensor, c: torch.Tensor, s: torch.Tens
     return fma_f32(x, c, -(y * s)), fma_f32(y, c, x * s)
 
 
+# The library's NaN encodings (docs/decisions.md "Encoders"): the bits of every NaN output.
+_CANONICAL_NAN = {torch.float32: (torch.int32, 0x7FFFFFFF), torch.bfloat16: (torch.int16, 0x7FFF),
+                  torch.float16: (torch.int16, 0x7FFF), torch.float8_e4m3fn: (torch.uint8, 0x7F),
+                  torch.float8_e5m2: (torch.uint8, 0x7F)}
+
+
+def encode(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """float32 -> dtype, rounded to nearest-even (fp8: saturating, +-inf too), every NaN as the
+    library's canonical NaN of dtype."""
+    out = (x.clamp(-FP8_MAX[dtype], FP8_MAX[dtype]) if dtype in FP8_MAX else x).to(dtype)
+    nan = torch.isnan(x)
+    if bool(nan.any()):
+        int_type, bits = _CANONICAL_NAN[dtype]
+        out = torch.where(nan, torch.tensor(bits, dtype=int_type), out.view(int_type)).view(dtype)
+    return out
+
+
 def to_fp8(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """float32 -> float8 with saturation (+-inf too) and round-to-nearest-even; NaN stays NaN."""
-    m = FP8_MAX[dtype]
-    return x.clamp(-m, m).to(dtype)
+    return encode(x, dtype)
 
 
 def round_to(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -135,25 +157,32 @@ def ds_mla_tile_scale(amax: torch.Tensor, pow2: bool) -> torch.Tensor:
     return scale
 
 
+def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t`` in ``dtype``: itself (its bytes) when it has that dtype, else ``encode``d."""
+    return t if t.dtype == dtype else encode(t.float(), dtype)
+
+
 def encode_entries(kv_c: torch.Tensor, k_pe: torch.Tensor, cache_format: str,
                    scale: Optional[float] = None, pow2: bool = False) -> torch.Tensor:
-    """Cache entries as bytes ``[T, entry_bytes]`` from float32 values already rounded to the
-    model dtype (``kv_c [T, L]``, rotated ``k_pe [T, R]``)."""
+    """Cache entries as bytes ``[T, entry_bytes]`` from model-dtype tensors (``kv_c [T, L]``,
+    rotated ``k_pe [T, R]``)."""
     fmt = canonical_format(cache_format)
     T = kv_c.shape[0]
     if fmt == "fp8_ds_mla":
-        tiles = kv_c.reshape(T, DS_MLA_NUM_TILES, DS_MLA_TILE)
-        scales = ds_mla_tile_scale(tiles.abs().amax(-1), pow2)  # [T, 4]
+        tiles = kv_c.float().reshape(T, DS_MLA_NUM_TILES, DS_MLA_TILE)
+        mag = tiles.abs()
+        amax = torch.where(torch.isnan(mag), torch.zeros_like(mag), mag).amax(-1)  # NaN ignored
+        scales = ds_mla_tile_scale(amax, pow2)  # [T, 4]
         q = to_fp8(tiles / scales.unsqueeze(-1), torch.float8_e4m3fn).reshape(T, DS_MLA_LATENT_DIM)
-        rope = k_pe.to(torch.bfloat16)
+        rope = _cast(k_pe, torch.bfloat16)
         return torch.cat([q.view(torch.uint8), scales.contiguous().view(torch.uint8),
                           rope.contiguous().view(torch.uint8)], dim=-1)
     values = torch.cat([kv_c, k_pe], dim=-1)
     dtype = cache_latent_dtype(fmt)
     if dtype in FP8_MAX:
         s = torch.tensor(1.0 if scale is None else scale, dtype=torch.float32)
-        return to_fp8(values / s, dtype).view(torch.uint8)
-    return values.to(dtype).contiguous().view(torch.uint8)
+        return to_fp8(values.float() / s, dtype).view(torch.uint8)
+    return _cast(values, dtype).contiguous().view(torch.uint8)
 
 
 def decode_entries(entries: torch.Tensor, cache_format: str, L: int, R: int,
@@ -203,8 +232,8 @@ def write_cache(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, kv_c_vals: t
                 k_pe_vals: torch.Tensor, cache_format: str,
                 kv_cache_scale: Optional[torch.Tensor] = None,
                 kv_cache_rope: Optional[torch.Tensor] = None, pow2: bool = False):
-    """Writes entries of model-dtype-rounded float32 values at the slots; slot < 0 and slots past
-    the cache are skipped."""
+    """Writes the entries of model-dtype tensors ``kv_c_vals [T, L]``, ``k_pe_vals [T, R]`` (on
+    the CPU) at the slots; slot < 0 and slots past the cache are skipped."""
     fmt = canonical_format(cache_format, kv_cache)
     T = slot_mapping.shape[0]
     L = kv_c_vals.shape[-1]
@@ -245,45 +274,42 @@ def mla_rope_cache(positions, slot_mapping, cos_sin_cache, kv_c, k_pe, kv_cache,
         k_pe = k_pe[:, 0]
 
     # K side.
+    # Model-dtype tensors on the CPU: normalized (or copied) kv_c and rotated k_pe.
     if kv_norm_weight is not None:
-        kv_vals = round_to(rms_norm_values(kv_c[:T], kv_norm_weight, kv_norm_eps), model)
+        kv_vals = encode(rms_norm_values(kv_c[:T], kv_norm_weight, kv_norm_eps), model)
     else:
-        kv_vals = kv_c[:T].float().cpu()
-    k_vals = round_to(apply_rope(k_pe[:T].float().cpu(), cos, sin, is_neox), model)
+        kv_vals = kv_c[:T].cpu()
+    k_vals = encode(apply_rope(k_pe[:T].float().cpu(), cos, sin, is_neox), model)
     write_cache(kv_cache, slot_mapping, kv_vals, k_vals, cache_format, kv_cache_scale,
                 kv_cache_rope, ds_mla_pow2_scale)
     if k_pe_out is not None:
         dst = k_pe_out[:, 0] if k_pe_out.dim() == 3 else k_pe_out
-        dst[:T].copy_(k_vals.to(model))
+        dst[:T].copy_(k_vals)
     if kv_c_out is not None:
-        kv_c_out[:T].copy_(kv_vals.to(model))
+        kv_c_out[:T].copy_(kv_vals)
 
     # Decode Q side.
     if q_out is not None and Td > 0:
         L = q_out.shape[-1] - q_pe.shape[-1]
-        rope = round_to(apply_rope(q_pe[:Td].float().cpu(), cos[:Td], sin[:Td], is_neox), model)
-        if ql_nope is not None:
-            nope = ql_nope[:Td].float().cpu()
-        else:
-            nope = q_out[:Td, :, :L].float().cpu()
-        vals = torch.cat([nope, rope], dim=-1)
-        if q_out.dtype in FP8_MAX:
+        rope = encode(apply_rope(q_pe[:Td].float().cpu(), cos[:Td], sin[:Td], is_neox), model)
+        if q_out.dtype in FP8_MAX:  # the library requires ql_nope here
+            vals = torch.cat([ql_nope[:Td].float().cpu(), rope.float()], dim=-1)
             s = torch.tensor(1.0 if q_scale is None else _scale_value(q_scale))
             q_out[:Td].copy_(to_fp8(vals / s, q_out.dtype))
-        elif ql_nope is not None:
-            q_out[:Td].copy_(vals.to(q_out.dtype))
-        else:
-            q_out[:Td, :, L:].copy_(rope.to(q_out.dtype))
+        else:  # q_out has the model dtype: ql_nope (when given) is copied as it is
+            if ql_nope is not None:
+                q_out[:Td, :, :L].copy_(ql_nope[:Td])
+            q_out[:Td, :, L:].copy_(rope)
 
     # Prefill Q side.
     if q is not None and Td < T:
         R = cos_sin_cache.shape[1]
         head = q[Td:T].float().cpu()
-        rope = round_to(apply_rope(head[..., -R:], cos[Td:], sin[Td:], is_neox), model)
+        rope = encode(apply_rope(head[..., -R:], cos[Td:], sin[Td:], is_neox), model)
         dst = q if q_prefill_out is None else q_prefill_out
         if q_prefill_out is not None:
             dst[Td:T, :, :-R].copy_(q[Td:T, :, :-R])
-        dst[Td:T, :, -R:].copy_(rope.to(dst.dtype))
+        dst[Td:T, :, -R:].copy_(encode(rope, dst.dtype))
 
 
 def rotary_embedding(positions, query, key, cos_sin_cache, *, is_neox=False, head_size=None,
@@ -297,7 +323,7 @@ def rotary_embedding(positions, query, key, cos_sin_cache, *, is_neox=False, hea
             continue
         view = t if t.dim() == 3 else t.view(t.shape[0], -1, head_size)
         vals = view[:T, :, :rot].float().cpu()
-        view[:T, :, :rot].copy_(round_to(apply_rope(vals, cos, sin, is_neox), t.dtype).to(t.dtype))
+        view[:T, :, :rot].copy_(encode(apply_rope(vals, cos, sin, is_neox), t.dtype))
 
 
 def concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, *, cache_format="auto",
@@ -307,24 +333,26 @@ def concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, *, cache_format="au
     T = slot_mapping.shape[0]
     if k_pe.dim() == 3:
         k_pe = k_pe[:, 0]
-    write_cache(kv_cache, slot_mapping, kv_c[:T].float().cpu(), k_pe[:T].float().cpu(),
-                cache_format, kv_cache_scale, kv_cache_rope, ds_mla_pow2_scale)
+    write_cache(kv_cache, slot_mapping, kv_c[:T].cpu(), k_pe[:T].cpu(), cache_format,
+                kv_cache_scale, kv_cache_rope, ds_mla_pow2_scale)
 
 
 def decode_q_concat(ql_nope, q_pe, q_out, *, q_scale=None) -> None:
     """Reference of ``mlakv.decode_q_concat``."""
     T = q_out.shape[0]
-    vals = torch.cat([ql_nope[:T].float(), q_pe[:T].float()], dim=-1)
     if q_out.dtype in FP8_MAX:
+        vals = torch.cat([ql_nope[:T].float(), q_pe[:T].float()], dim=-1)
         s = torch.tensor(1.0 if q_scale is None else _scale_value(q_scale))
         q_out.copy_(to_fp8(vals.cpu() / s, q_out.dtype).to(q_out.device))
-    else:
-        q_out.copy_(vals.to(q_out.dtype))
+    else:  # the model dtype: both parts copied as they are
+        L = ql_nope.shape[-1]
+        q_out[:, :, :L].copy_(ql_nope[:T])
+        q_out[:, :, L:].copy_(q_pe[:T])
 
 
 def rms_norm(input, weight, eps=1e-6, *, out=None):
     """Reference of ``mlakv.rms_norm``."""
-    vals = rms_norm_values(input, weight, eps).to(input.dtype).to(input.device)
+    vals = encode(rms_norm_values(input, weight, eps), input.dtype).to(input.device)
     if out is None:
         return vals
     out[:input.shape[0]].copy_(vals)
@@ -338,16 +366,20 @@ def _gather(kv_cache, slots, kv_lora_rank, cache_format, kv_cache_scale, kv_cach
     num_slots = latent.shape[0]
     L = kv_lora_rank
     scale = _scale_value(kv_cache_scale)
-    if rope is None:
-        values = decode_entries(latent, fmt, L, None, scale)
+    if cache_latent_dtype(fmt) == out_dtype and fmt != "fp8_ds_mla":
+        # Values of the output's own dtype are copied, their bytes kept (NaN payloads too).
+        parts = [latent] if rope is None else [latent, rope]
+        values = torch.cat([p.view(out_dtype) for p in parts], dim=-1)
+    elif rope is None:
+        values = encode(decode_entries(latent, fmt, L, None, scale), out_dtype)
     else:
-        values = torch.cat([decode_entries(latent, fmt, L, None, scale),
-                            decode_entries(rope, fmt, L, None, scale)], dim=-1)
-    out = torch.zeros(slots.shape[0], values.shape[-1], dtype=torch.float32)
+        values = encode(torch.cat([decode_entries(latent, fmt, L, None, scale),
+                                   decode_entries(rope, fmt, L, None, scale)], dim=-1), out_dtype)
+    out = torch.zeros(slots.shape[0], values.shape[-1], dtype=out_dtype)
     for i, s in enumerate(slots.tolist()):
         if 0 <= s < num_slots:
             out[i] = values[s]
-    return out.to(out_dtype)
+    return out
 
 
 def gather_cache_slots(kv_cache, slots, *, kv_lora_rank, cache_format="auto",
