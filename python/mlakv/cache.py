@@ -113,6 +113,10 @@ def allocate_cache(num_blocks: int, block_size: int, kv_lora_rank: int, rope_dim
 def cache_latent_width(kv_cache: torch.Tensor, cache_format: str, kv_lora_rank: int,
                        kv_cache_rope: Optional[torch.Tensor] = None) -> int:
     """L + R of a cache tensor: the width of one gathered row."""
+    for name, t in (("kv_cache", kv_cache), ("kv_cache_rope", kv_cache_rope)):
+        if t is not None and t.dim() != 3:
+            raise ValueError(f"{name}: expected [num_blocks, block_size, entry] (3 dims), got "
+                             f"shape {list(t.shape)}")
     fmt = canonical_format(cache_format, kv_cache)
     if fmt == "fp8_ds_mla":
         return DS_MLA_LATENT_DIM + DS_MLA_ROPE_DIM

@@ -176,6 +176,15 @@ def _gather_format(cache_format, kv_cache):
         raise RuntimeError(f"mlakv: {e}") from None
 
 
+def _out_width(kv_cache, fmt, kv_lora_rank, kv_cache_rope):
+    # The width of an output the wrapper allocates; a cache the op would reject gets the op's
+    # exception type, not an IndexError from the shape arithmetic.
+    try:
+        return cache_latent_width(kv_cache, fmt, kv_lora_rank, kv_cache_rope)
+    except ValueError as e:
+        raise RuntimeError(f"mlakv: {e}") from None
+
+
 def gather_cache_slots(kv_cache: torch.Tensor, slots: torch.Tensor, *, kv_lora_rank: int,
                        cache_format: str = "auto",
                        kv_cache_scale: Optional[torch.Tensor] = None,
@@ -192,7 +201,7 @@ def gather_cache_slots(kv_cache: torch.Tensor, slots: torch.Tensor, *, kv_lora_r
         return _ops.gather_cache_slots(kv_cache, fmt, kv_cache_scale, kv_cache_rope, slots,
                                        int(kv_lora_rank), out_dtype)
     if out is None:
-        width = cache_latent_width(kv_cache, fmt, kv_lora_rank, kv_cache_rope)
+        width = _out_width(kv_cache, fmt, kv_lora_rank, kv_cache_rope)
         out = torch.empty(slots.shape[0], width, dtype=out_dtype, device=kv_cache.device)
     _ops.gather_cache_slots_out(out, kv_cache, fmt, kv_cache_scale, kv_cache_rope, slots,
                                 int(kv_lora_rank), error_counts)
@@ -226,7 +235,7 @@ def gather_cache_sequences(kv_cache: torch.Tensor, block_table: torch.Tensor,
         rows = _count(num_out_rows)
         if not isinstance(rows, torch.SymInt) and rows < 0:
             raise RuntimeError(f"mlakv: num_out_rows: expected >= 0, got {rows}")
-        width = cache_latent_width(kv_cache, fmt, kv_lora_rank, kv_cache_rope)
+        width = _out_width(kv_cache, fmt, kv_lora_rank, kv_cache_rope)
         out = torch.zeros(rows, width, dtype=out_dtype, device=kv_cache.device)
     _ops.gather_cache_sequences_out(out, kv_cache, fmt, kv_cache_scale, kv_cache_rope,
                                     block_table, cu_seq_lens, int(kv_lora_rank), error_counts)

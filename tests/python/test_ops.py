@@ -589,3 +589,20 @@ def test_nan_inputs_match_reference(fmt, dtype, norm, device):
         lib_or_ref.rms_norm(z.kv_c, z.kv_norm_weight, 1e-6, out=z.kv_c_out)
     for name in ("kv_cache", "q_pe", "q_out", "kv_c_out"):
         assert_bytes_equal(getattr(u, name), getattr(v, name))
+
+
+def test_gather_wrappers_reject_a_cache_of_two_dims_by_name(device):
+    """A cache that is not [num_blocks, block_size, entry] is the same named RuntimeError whether
+    the op allocates the output or the wrapper does (error_counts given), never an IndexError."""
+    cfg = TP8
+    flat = mlakv.allocate_cache(4, 4, cfg.L, cfg.R, "bf16", device=device).view(16, -1)
+    slots = torch.arange(3, device=device)
+    counts = mlakv.new_error_counts(device)
+    table = torch.zeros(1, 1, dtype=torch.int32, device=device)
+    cu = torch.tensor([0, 2], dtype=torch.int32, device=device)
+    for kw in ({}, {"error_counts": counts}):
+        with pytest.raises(RuntimeError, match="kv_cache: expected \\[num_blocks, block_size"):
+            mlakv.gather_cache_slots(flat, slots, kv_lora_rank=cfg.L, cache_format="bf16", **kw)
+        with pytest.raises(RuntimeError, match="kv_cache: expected \\[num_blocks, block_size"):
+            mlakv.gather_cache_sequences(flat, table, cu, 2, kv_lora_rank=cfg.L,
+                                         cache_format="bf16", **kw)
