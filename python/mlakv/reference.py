@@ -404,6 +404,8 @@ def gather_cache_sequences(kv_cache, block_table, cu_seq_lens, num_out_rows, *, 
             row = cu[b] + i
             if row >= num_out_rows:
                 break
+            if i // bs >= table.shape[1]:  # past the block table's width: a zero row
+                continue
             block = int(table[b, i // bs])
             if 0 <= block < nb:
                 slots[row] = block * bs + i % bs

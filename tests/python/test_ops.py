@@ -606,3 +606,19 @@ def test_gather_wrappers_reject_a_cache_of_two_dims_by_name(device):
         with pytest.raises(RuntimeError, match="kv_cache: expected \\[num_blocks, block_size"):
             mlakv.gather_cache_sequences(flat, table, cu, 2, kv_lora_rank=cfg.L,
                                          cache_format="bf16", **kw)
+
+
+def test_gather_cache_sequences_past_the_block_table_width(device):
+    """A sequence longer than its block table row: the rows past the table are zeros (and
+    counted) in the op, and the reference gives the same bytes instead of an IndexError."""
+    cfg = MINICPM3
+    cache = mlakv.allocate_cache(4, 4, cfg.L, cfg.R, "bf16", device=device, fill=1)
+    table = torch.tensor([[1]], dtype=torch.int32, device=device)
+    cu = torch.tensor([0, 9], dtype=torch.int32, device=device)
+    counts = mlakv.new_error_counts(device)
+    a = mlakv.gather_cache_sequences(cache, table, cu, 9, kv_lora_rank=cfg.L, cache_format="bf16",
+                                     error_counts=counts)
+    e = ref.gather_cache_sequences(cache, table, cu, 9, kv_lora_rank=cfg.L, cache_format="bf16")
+    assert_bytes_equal(a, e)
+    assert bool(a[:4].ne(0).all()) and not bool(a[4:].any())
+    assert mlakv.read_error_counts(counts)["bad_block_index"] == 5
