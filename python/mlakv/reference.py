@@ -79,13 +79,6 @@ def to_fp8(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return encode(x, dtype)
 
 
-def round_to(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """float32 values rounded to ``dtype`` and back to float32 (what a consumer of dtype sees)."""
-    if dtype in FP8_MAX:
-        return to_fp8(x, dtype).to(torch.float32)
-    return x.to(dtype).to(torch.float32)
-
-
 def _index(t: torch.Tensor, n: int) -> torch.Tensor:
     return t[:n].to(torch.int64).cpu()
 
