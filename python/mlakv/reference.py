@@ -19,6 +19,10 @@ same way (in place), so a test runs both on cloned inputs and compares. Math fol
 * fp8_ds_mla: per tile of 128, scale = ``max(amax / 448, FLT_MIN)`` (optionally rounded up to a
   power of two; the amax ignores NaN, as the library's does), 512 e4m3 bytes, 4 fp32 scales, 64
   bf16 rope values.
+* rmsnorm_quant (docs/rmsnorm_quant.md): ``s = round(x + residual)``, ``y = round(RMSNorm(s))``,
+  per group ``scale = max(amax / 448, floor)`` (amax ignoring NaN; default floor ``1e-10 / 448``;
+  optionally rounded up to a power of two), ``q = e4m3(y / scale)``. These functions return their
+  outputs, allocated when not given, as the wrappers do.
 """
 
 from typing import Optional
@@ -138,16 +142,24 @@ def rms_norm_values(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
 
 
 # ---- cache encoding ----------------------------------------------------------------------------
+def pow2_round_up(scale: torch.Tensor) -> torch.Tensor:
+    """Positive normal float32 scales rounded up to a power of two (inf stays inf)."""
+    bits = scale.view(torch.int32)
+    exp = bits & 0x7F800000
+    needs = ((bits & 0x007FFFFF) != 0) & (exp != 0x7F800000)
+    return torch.where(needs, exp + 0x00800000, bits).view(torch.float32)
+
+
+def amax_ignoring_nan(v: torch.Tensor) -> torch.Tensor:
+    """max |v| over the last dimension, NaN ignored (a group of NaN only gives 0)."""
+    mag = v.abs()
+    return torch.where(torch.isnan(mag), torch.zeros_like(mag), mag).amax(-1)
+
+
 def ds_mla_tile_scale(amax: torch.Tensor, pow2: bool) -> torch.Tensor:
     scale = amax / 448.0
     scale = torch.where(scale >= FLT_MIN, scale, torch.full_like(scale, FLT_MIN))
-    if pow2:
-        bits = scale.view(torch.int32)
-        exp = bits & 0x7F800000
-        needs = ((bits & 0x007FFFFF) != 0) & (exp != 0x7F800000)
-        bits = torch.where(needs, exp + 0x00800000, bits)
-        scale = bits.view(torch.float32)
-    return scale
+    return pow2_round_up(scale) if pow2 else scale
 
 
 def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -163,9 +175,7 @@ def encode_entries(kv_c: torch.Tensor, k_pe: torch.Tensor, cache_format: str,
     T = kv_c.shape[0]
     if fmt == "fp8_ds_mla":
         tiles = kv_c.float().reshape(T, DS_MLA_NUM_TILES, DS_MLA_TILE)
-        mag = tiles.abs()
-        amax = torch.where(torch.isnan(mag), torch.zeros_like(mag), mag).amax(-1)  # NaN ignored
-        scales = ds_mla_tile_scale(amax, pow2)  # [T, 4]
+        scales = ds_mla_tile_scale(amax_ignoring_nan(tiles), pow2)  # [T, 4]
         q = to_fp8(tiles / scales.unsqueeze(-1), torch.float8_e4m3fn).reshape(T, DS_MLA_LATENT_DIM)
         rope = _cast(k_pe, torch.bfloat16)
         return torch.cat([q.view(torch.uint8), scales.contiguous().view(torch.uint8),
@@ -405,6 +415,97 @@ def gather_cache_sequences(kv_cache, block_table, cu_seq_lens, num_out_rows, *, 
     out = _gather(kv_cache, slots, kv_lora_rank, cache_format, kv_cache_scale, kv_cache_rope,
                   out_dtype)
     return out.to(kv_cache.device)
+
+
+# ---- RMSNorm + fp8 per-token-group quantization (docs/rmsnorm_quant.md) ------------------------
+# vLLM's and DeepGEMM's scales: max(amax, 1e-10) / 448 == max(amax / 448, 1e-10 / 448).
+DEFAULT_SCALE_FLOOR = float(torch.tensor(1e-10, dtype=torch.float32) / 448.0)
+
+
+def group_quant_values(y: torch.Tensor, group_size: int, scale_floor: Optional[float] = None,
+                       pow2_scale: bool = False):
+    """e4m3 values ``[T, N]`` and fp32 scales ``[T, N / group_size]`` of ``y [T, N]`` (model
+    dtype), on the CPU: ``scale = max(amax / 448, floor)`` (amax ignoring NaN; rounded up to a
+    power of two with ``pow2_scale``), ``q = e4m3(y / scale)``."""
+    T, N = y.shape
+    v = y.cpu().float().view(T, N // group_size, group_size)
+    floor = torch.tensor(DEFAULT_SCALE_FLOOR if scale_floor is None else scale_floor,
+                         dtype=torch.float32)
+    scale = torch.maximum(amax_ignoring_nan(v) / 448.0, floor)
+    if pow2_scale:
+        scale = pow2_round_up(scale)
+    q = encode(v / scale.unsqueeze(-1), torch.float8_e4m3fn)
+    return q.view(T, N), scale
+
+
+def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                  residual: Optional[torch.Tensor] = None):
+    """``(y, s)`` on the CPU: ``s = round(x + residual)`` (``x`` without a residual) and ``y``, its
+    RMSNorm rounded to the model dtype."""
+    x = x.cpu()
+    s = x if residual is None else encode(x.float() + residual.cpu().float(), x.dtype)
+    return encode(rms_norm_values(s, weight, eps), x.dtype), s
+
+
+def _quant_buffers(src: torch.Tensor, T: int, group_size: int, out, scales, column_major: bool):
+    N = src.shape[-1]
+    if out is None:
+        out = torch.empty(T, N, dtype=torch.float8_e4m3fn, device=src.device)
+    if scales is None:
+        G = N // group_size
+        scales = (torch.empty(G, T, dtype=torch.float32, device=src.device).t() if column_major
+                  else torch.empty(T, G, dtype=torch.float32, device=src.device))
+    return out, scales
+
+
+def _rows(t: torch.Tensor, num_tokens) -> int:
+    return t.shape[0] if num_tokens is None else int(num_tokens)
+
+
+def rmsnorm_quant(input, weight, eps=1e-6, *, out=None, scales=None, group_size=128,
+                  scale_floor=None, pow2_scale=False, residual=None, normed_out=None,
+                  column_major_scales=False, num_tokens=None):
+    """Reference of ``mlakv.rmsnorm_quant``: returns ``(out, scales)`` and writes ``residual``
+    (the sum) and ``normed_out`` as the op does."""
+    T = _rows(input, num_tokens)
+    y, s = rms_norm_rows(input[:T], weight, eps, None if residual is None else residual[:T])
+    q, sc = group_quant_values(y, group_size, scale_floor, pow2_scale)
+    out, scales = _quant_buffers(input, T, group_size, out, scales, column_major_scales)
+    if residual is not None:
+        residual[:T].copy_(s)
+    if normed_out is not None:
+        normed_out[:T].copy_(y)
+    out[:T].copy_(q)
+    scales[:T].copy_(sc)
+    return out, scales
+
+
+def mla_rmsnorm_quant(q_c, q_weight, kv_c, kv_weight, *, q_eps=1e-6, kv_eps=1e-6, q_out=None,
+                      q_scales=None, kv_c_out=None, group_size=128, scale_floor=None,
+                      pow2_scale=False, q_normed_out=None, column_major_scales=False,
+                      num_tokens=None):
+    """Reference of ``mlakv.mla_rmsnorm_quant``: returns ``(q_out, q_scales, kv_c_out)``."""
+    T = _rows(q_c, num_tokens)
+    kv_y, _ = rms_norm_rows(kv_c[:T], kv_weight, kv_eps)
+    q_out, q_scales = rmsnorm_quant(q_c, q_weight, q_eps, out=q_out, scales=q_scales,
+                                    group_size=group_size, scale_floor=scale_floor,
+                                    pow2_scale=pow2_scale, normed_out=q_normed_out,
+                                    column_major_scales=column_major_scales, num_tokens=T)
+    if kv_c_out is None:
+        kv_c_out = torch.empty(T, kv_c.shape[-1], dtype=kv_c.dtype, device=kv_c.device)
+    kv_c_out[:T].copy_(kv_y)
+    return q_out, q_scales, kv_c_out
+
+
+def per_token_group_quant_fp8(input, group_size=128, *, out=None, scales=None, scale_floor=None,
+                              pow2_scale=False, column_major_scales=False, num_tokens=None):
+    """Reference of ``mlakv.per_token_group_quant_fp8``: returns ``(out, scales)``."""
+    T = _rows(input, num_tokens)
+    q, sc = group_quant_values(input[:T], group_size, scale_floor, pow2_scale)
+    out, scales = _quant_buffers(input, T, group_size, out, scales, column_major_scales)
+    out[:T].copy_(q)
+    scales[:T].copy_(sc)
+    return out, scales
 
 
 # ---- a plain engine path (what torch.compile is benchmarked on) -------------------------------

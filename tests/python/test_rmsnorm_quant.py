@@ -18,7 +18,6 @@ if not hasattr(torch.ops.mlakv, "rmsnorm_quant"):
 
 _ops = torch.ops.mlakv
 E4M3_MAX = 448.0
-DEFAULT_FLOOR = torch.tensor(1e-10, dtype=torch.float32) / E4M3_MAX  # vLLM: max(amax, 1e-10) / 448
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() and mlakv.cuda_kernels_available()
                      else [])
@@ -32,30 +31,13 @@ def device(request):
 # ---- reference ---------------------------------------------------------------------------------
 def ref_rms_norm(x, weight, eps, residual=None):
     """Returns (y rounded to the model dtype, residual sum or None), all on the CPU."""
-    x = x.cpu()
-    dt = x.dtype
-    s = x.float()
-    new_residual = None
-    if residual is not None:
-        new_residual = (s + residual.cpu().float()).to(dt)
-        s = new_residual.float()
-    y = ref.rms_norm_values(s, weight, eps).to(dt)
-    return y, new_residual
+    y, s = ref.rms_norm_rows(x, weight, eps, residual)
+    return y, (None if residual is None else s)
 
 
 def ref_group_quant(y, group_size, scale_floor=None, pow2=False):
     """e4m3 values [T, N] and fp32 scales [T, N / G] of y (model dtype), on the CPU."""
-    T, N = y.shape
-    v = y.cpu().float().view(T, N // group_size, group_size)
-    amax = v.abs().amax(dim=-1)
-    scale = amax / E4M3_MAX
-    floor = DEFAULT_FLOOR if scale_floor is None else torch.tensor(scale_floor, dtype=torch.float32)
-    scale = torch.maximum(scale, floor)
-    if pow2:
-        m, e = torch.frexp(scale)
-        scale = torch.where(m == 0.5, scale, torch.ldexp(torch.ones_like(scale), e))
-    q = (v / scale[..., None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
-    return q.view(T, N), scale
+    return ref.group_quant_values(y, group_size, scale_floor, pow2)
 
 
 # ---- helpers -----------------------------------------------------------------------------------
@@ -244,6 +226,43 @@ def test_python_wrappers(column_major, device):
     assert_bytes_equal(q_out, q)
     assert_bytes_equal(q_scales, s)
     assert_bytes_equal(kv_out, ref_rms_norm(kv_c, kvw, 1e-4)[0])
+
+
+@pytest.mark.parametrize("column_major", [False, True])
+def test_reference_ops_take_the_wrappers_arguments(column_major, device):
+    """mlakv.reference's rmsnorm_quant, mla_rmsnorm_quant and per_token_group_quant_fp8 take the
+    wrappers' arguments and write the library's bytes: the residual sum, normed_out, the scales'
+    layout and floor, pow2 scales, and NaN inputs (the group amax ignores NaN; a NaN value is
+    e4m3 0x7f) all included."""
+    T, N = 9, 1536
+    x = rand_rows(T, N, torch.bfloat16, device, seed=31)
+    x[2, 5] = float("nan")  # one NaN in group 0 of row 2
+    x[4, 256:384] = 0.0  # an all-zero group: the floor
+    residual = rand_rows(T, N, torch.bfloat16, device, seed=32)
+    w = rand_weight(N, torch.bfloat16, device, seed=33)
+    kv_c = rand_rows(T, 512, torch.bfloat16, device, seed=34)
+    kvw = rand_weight(512, torch.bfloat16, device, seed=35)
+
+    def run(impl):
+        res, normed = residual.clone(), torch.zeros_like(x)
+        out = impl.rmsnorm_quant(x, w, 1e-5, residual=res, normed_out=normed, group_size=64,
+                                 scale_floor=1e-3, pow2_scale=True,
+                                 column_major_scales=column_major, num_tokens=T)
+        dual = impl.mla_rmsnorm_quant(x, w, kv_c, kvw, q_eps=1e-5, kv_eps=1e-4,
+                                      column_major_scales=column_major, num_tokens=T)
+        plain = impl.per_token_group_quant_fp8(x, 128, column_major_scales=column_major,
+                                               num_tokens=T)
+        return [*out, res, normed, *dual, *plain]
+
+    got, want = run(mlakv), run(ref)
+    assert [t.shape for t in got] == [t.shape for t in want]
+    assert [t.stride() for t in got] == [t.stride() for t in want]
+    for g, e in zip(got, want):
+        assert_bytes_equal(g, e)
+    # The NaN makes row 2's norm NaN; quantized alone, it leaves its group's other values finite.
+    assert torch.isnan(got[3][2].float()).all() and (bytes_of(got[0])[2] == 0x7F).all()
+    plain = bytes_of(got[-2])[2]
+    assert plain[5] == 0x7F and not (plain[:5] == 0x7F).any() and not (plain[6:128] == 0x7F).any()
 
 
 def test_bad_arguments_raise_and_write_nothing(device):
