@@ -246,6 +246,8 @@ class DeepseekV3MLAttention(nn.Module):
         pos = torch.arange(S, device=kv.device)
         masked = pos.view(1, 1, S) >= seq_lens.to(torch.int64).view(Td, 1, 1)
         probs = torch.softmax(scores.masked_fill(masked, float("-inf")), dim=-1)
+        # A padding row (seq_len 0: every score masked) attends to nothing: zeros, not NaN.
+        probs = probs.masked_fill(masked.all(dim=-1, keepdim=True), 0.0)
         latent = torch.einsum("ths,tsl->thl", probs, kv[..., :self.L])          # [Td, H, L]
         return torch.einsum("thl,hvl->thv", latent, self.w_uv().float())
 

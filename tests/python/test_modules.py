@@ -168,6 +168,23 @@ def test_forward_rejects_bad_batches():
         layer(**{**inputs, "prefill_query_lens": [3]})
 
 
+def test_padded_decode_row_attends_to_nothing():
+    """A decode row of a padded (graph-sized) batch, seq_len 0 and no blocks, gives zeros, not NaN,
+    and leaves the real row's attention as it is alone (up to the batched einsum's rounding)."""
+    layer = make_layer()
+    engine = PagedEngine(layer)
+    engine.step([], [(0, 5)])
+    H, D = layer.config.num_heads, layer.L + layer.R
+    q_out = torch.randn(2, H, D, generator=torch.Generator().manual_seed(3)).to(layer.config.dtype)
+    table = torch.full((2, engine.max_blocks), -1, dtype=torch.int32)
+    table[0, 0] = engine.tables[0][0]
+    with torch.no_grad():
+        both = layer._decode_attention(q_out, table, torch.tensor([5, 0], dtype=torch.int32))
+        alone = layer._decode_attention(q_out[:1], table[:1], torch.tensor([5], dtype=torch.int32))
+    assert torch.equal(both[1], torch.zeros_like(both[1]))
+    torch.testing.assert_close(both[:1], alone)  # the batched einsum may round differently
+
+
 @requires_cuda
 @pytest.mark.parametrize("cache_format", ["bf16", "fp8_e4m3"])
 def test_decode_step_in_cuda_graph_equals_eager(cache_format):
