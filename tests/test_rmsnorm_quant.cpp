@@ -1168,6 +1168,14 @@ TEST_P(RmsNormQuantTest, BadArgumentsWriteNothing) {
          p.input.stride[0] = 8;
        }},
       {"input misaligned", "input", [&](auto& p) { offset_bytes(p.input, 2); }},
+      {"input rows overlap by one chunk", "input: expected a row stride >= 1536",
+       [](auto& p) { p.input.stride[0] = 1536 - 8; }},
+      {"input hidden size 0", "input: expected a hidden size N in [1, 32768]",
+       [](auto& p) { p.input.shape[1] = 0; }},
+      {"input unknown device type", "input: expected a cpu or cuda device",
+       [](auto& p) {
+         p.input.device = {static_cast<DeviceType>(7), 0};
+       }},
       {"input cuda index -1", "input",
        [](auto& p) {
          p.input.device = {DeviceType::kCUDA, -1};
@@ -1208,6 +1216,8 @@ TEST_P(RmsNormQuantTest, BadArgumentsWriteNothing) {
       {"values shape", "quant.values", [](auto& p) { p.quant.values.shape[1] = 1024; }},
       {"values device", "quant.values", [&](auto& p) { p.quant.values.device = other; }},
       {"values misaligned", "quant.values", [&](auto& p) { offset_bytes(p.quant.values, 4); }},
+      {"values misaligned by one byte", "quant.values",
+       [&](auto& p) { offset_bytes(p.quant.values, 1); }},
       {"scales dtype", "quant.scales", [](auto& p) { p.quant.scales.dtype = DType::kBFloat16; }},
       {"scales missing", "quant.scales", [](auto& p) { p.quant.scales = TensorView{}; }},
       {"scales groups", "quant.scales", [](auto& p) { p.quant.scales.shape[1] = 24; }},

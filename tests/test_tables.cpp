@@ -206,6 +206,9 @@ TEST(Tables, RejectsBadConfig) {
   mlakv::RopeTableConfig c;
   c.rotary_dim = 63;
   EXPECT_THROW(mlakv::rope_cos_sin_table(c), mlakv::Error);
+  c.rotary_dim = 64;
+  c.max_position = 0;  // a table of no rows: no position could be looked up
+  EXPECT_THROW(mlakv::rope_cos_sin_table(c), mlakv::Error);
   mlakv::YarnRopeConfig y = deepseek_v3();
   y.rotary_dim = 0;
   EXPECT_THROW(mlakv::yarn_cos_sin_table(y), mlakv::Error);
@@ -237,6 +240,9 @@ TEST(Tables, RoundTableRoundsOnceFromDouble) {
   for (size_t i = 0; i < table.size(); ++i) EXPECT_EQ(f32[i], static_cast<float>(table[i]));
 
   EXPECT_THROW(mlakv::round_table(table, DType::kInt32, f32.data()), mlakv::Error);
+  // No buffer for a non-empty table is rejected (an empty one needs none).
+  EXPECT_THROW(mlakv::round_table(table, DType::kFloat32, nullptr), mlakv::Error);
+  EXPECT_NO_THROW(mlakv::round_table({}, DType::kFloat32, nullptr));
 }
 
 }  // namespace

@@ -570,8 +570,9 @@ TEST_F(MlaValidation, QOutHeadsDifferFromQPe) {
 }
 
 TEST_F(MlaValidation, QOutWrongDtype) {
+  // The validator's own rule, not the CPU backend's dispatch (which names q_out too).
   p_.q_out.dtype = DType::kFloat16;
-  reject(p_, "q_out");
+  reject(p_, "q_out: expected the model dtype bfloat16 (from kv_c)");
 }
 
 TEST_F(MlaValidation, Fp8QOutNeedsQlNope) {
@@ -773,6 +774,253 @@ TEST_F(MlaValidation, CheckedModeReportsBadSlot) {
   EXPECT_THROW(mlakv::read_error_counts(error_counts_, {}, counts, nullptr, true), mlakv::Error);
   mlakv::reset_error_counts(error_counts_, {});
   EXPECT_NO_THROW(mlakv::read_error_counts(error_counts_, {}, counts, nullptr, true));
+}
+
+// ---- mutation round 4: rules that no test above would notice if they were broken -------------
+
+// A device type that is neither cpu nor cuda is rejected by validation (the dispatch would
+// otherwise send it to the CUDA backend in a CUDA build), naming the argument.
+TEST_F(MlaValidation, UnknownDeviceType) {
+  const mlakv::Device unknown{static_cast<mlakv::DeviceType>(7), 0};
+  mlakv::MlaRopeCacheParams p = p_;
+  p.kv_c.device = unknown;
+  reject(p, "kv_c: expected a cpu or cuda device");
+  p = p_;
+  p.kv_cache.device = unknown;
+  reject(p, "kv_cache: expected a cpu or cuda device");
+}
+
+// Every tensor and the cache on one CUDA device: one device, so only the backend rule rejects it
+// in a CPU-only build, naming the first argument (not just the dispatch's second line of defence).
+// In a CUDA build, index -1 is rejected by the index rule.
+TEST_F(MlaValidation, AllTensorsOnCudaWithoutTheBackendOrWithIndexMinusOne) {
+  for (const int index : {0, -1}) {
+    SCOPED_TRACE(index);
+    if (mlakv::cuda_backend_built() && index >= 0) continue;  // a real launch on host memory
+    const mlakv::Device gpu{mlakv::DeviceType::kCUDA, index};
+    mlakv::MlaRopeCacheParams p = p_;
+    for (TensorView* t :
+         {&p.positions, &p.slot_mapping, &p.cos_sin_cache, &p.kv_c, &p.k_pe, &p.kv_norm_weight,
+          &p.k_pe_out, &p.kv_c_out, &p.q_pe, &p.ql_nope, &p.q_out, &p.q, &p.q_prefill_out}) {
+      t->device = gpu;
+    }
+    p.kv_cache.device = gpu;
+    reject(p, mlakv::cuda_backend_built() ? "kv_c: expected a CUDA device index >= 0"
+                                          : "kv_c: CUDA tensors given but mlakv was built without");
+  }
+}
+
+// A dtype value outside the enum is named as such (dtype_size would throw a message without the
+// argument's name).
+TEST_F(MlaValidation, UnknownDtypeValue) {
+  p_.kv_c.dtype = static_cast<DType>(42);
+  reject(p_, "kv_c: expected a known dtype, got dtype value 42");
+}
+
+// kv_c sets the model dtype: consistent non-model dtypes everywhere (k_pe and every output in the
+// same dtype) are rejected by the model-dtype rule itself, not by a mismatch with kv_c.
+TEST_F(MlaValidation, ConsistentNonModelDtype) {
+  for (const DType dtype : {DType::kFloat8E4M3, DType::kUInt8}) {
+    mlakv::MlaRopeCacheParams p = p_;
+    for (TensorView* t : {&p.kv_c, &p.k_pe, &p.kv_norm_weight, &p.k_pe_out, &p.kv_c_out, &p.q_pe,
+                          &p.ql_nope, &p.q_out, &p.q, &p.q_prefill_out}) {
+      t->dtype = dtype;
+    }
+    reject(p, "kv_c: expected float32, float16 or bfloat16");
+  }
+}
+
+// The innermost-stride rule exempts only dims of size <= 1: a size-2 innermost dim (R = 2) with
+// stride 2 is rejected.
+TEST_F(MlaValidation, InnermostStrideOnASizeTwoDim) {
+  p_.positions = mlakv::make_strided_view(p_.positions.data, DType::kInt64, {2}, {2});
+  p_.num_tokens = 2;
+  reject(p_, "positions: expected a contiguous innermost dim");
+}
+
+// The positive-stride rule exempts only dims of size <= 1: two heads of q_out at stride 0 would
+// write one another's bytes.
+TEST_F(MlaValidation, ZeroStrideOnASizeTwoDim) {
+  ASSERT_EQ(H, 2);
+  p_.q_out.stride[1] = 0;
+  reject(p_, "q_out: expected positive strides");
+}
+
+// The latent and rope width rules at their bounds, each with enough rows that no other rule
+// rejects the view first: L in [16, 1024] a multiple of 16, R even in [2, 256].
+TEST_F(MlaValidation, LatentAndRopeWidthBounds) {
+  void* wide = arena_.random_bf16(T * 1040);
+  for (const int64_t width : {int64_t{0}, int64_t{1040}}) {
+    SCOPED_TRACE(width);
+    mlakv::MlaRopeCacheParams p = p_;
+    p.kv_c = mlakv::make_strided_view(wide, DType::kBFloat16, {T, width}, {1040, 1});
+    reject(p, "kv_c: expected L (kv_lora_rank) a multiple of 16 in [16, 1024]");
+  }
+  void* rope = arena_.random_bf16(T * 258);
+  for (const int64_t width : {int64_t{0}, int64_t{258}}) {
+    SCOPED_TRACE(width);
+    mlakv::MlaRopeCacheParams p = p_;
+    p.k_pe = mlakv::make_strided_view(rope, DType::kBFloat16, {T, width}, {258, 1});
+    reject(p, "k_pe: expected R (rope dim) even in [2, 256]");
+  }
+}
+
+// A combined cache with slots and no data (the split layout's rule is tested above): every write
+// would go to a null address.
+TEST_F(MlaValidation, CacheNullData) {
+  p_.kv_cache.data = nullptr;
+  reject(p_, "kv_cache: expected non-null data for 8 slots");
+}
+
+// fp8_ds_mla's own rules, each alone: R = 32 with L = 512 (the entry is 656 bytes for R = 64
+// only), and a rope_data part with strides that would pass for a split cache.
+TEST_F(MlaValidation, DsMlaNeedsR64AndTheCombinedLayout) {
+  mlakv::MlaRopeCacheParams p = p_;
+  p.k_pe = mlakv::make_view(p_.k_pe.data, DType::kBFloat16, {T, 32});
+  p.cos_sin_cache = mlakv::make_view(p_.cos_sin_cache.data, DType::kFloat32, {kMaxPos, 32});
+  p.k_pe_out = TensorView{};
+  p.q_out = TensorView{};
+  p.q_pe = TensorView{};
+  p.ql_nope = TensorView{};
+  p.q = TensorView{};
+  p.q_prefill_out = TensorView{};
+  p.num_decode_tokens = 0;
+  p.kv_cache =
+      mlakv::make_cache_view(ds_cache_, CacheFormat::kFloat8DsMla, kBlocks, kBlockSize, L, R);
+  p.kv_cache.rope_dim = 32;
+  reject(p, "kv_cache: fp8_ds_mla needs L = 512 and R = 64");
+
+  p = p_;
+  p.kv_cache =
+      mlakv::make_cache_view(ds_cache_, CacheFormat::kFloat8DsMla, kBlocks, kBlockSize, L, R);
+  p.kv_cache.rope_data = arena_.sentinel(kBlocks * kBlockSize * R * 2);
+  p.kv_cache.stride_rope_token_bytes = R * 2;
+  p.kv_cache.stride_rope_block_bytes = kBlockSize * R * 2;
+  reject(p, "kv_cache: fp8_ds_mla has only the combined layout");
+}
+
+TEST_F(MlaValidation, CacheScaleMisaligned) {
+  p_.kv_cache = mlakv::make_cache_view(cache_, CacheFormat::kFloat8E4M3, kBlocks, kBlockSize, L, R);
+  p_.kv_cache.scale = reinterpret_cast<const float*>(reinterpret_cast<const uint8_t*>(scale_) + 2);
+  reject(p_, "kv_cache: expected a 4-byte aligned fp32 scale");
+}
+
+// fp8_ds_mla entries hold fp32 tile scales: the data and the strides must be 4-byte aligned, not
+// only aligned to the e4m3 latent's one byte. One block, so that the slots written (0; 5 and 7
+// are out of range) stay inside the buffer even if the rule were missing.
+TEST_F(MlaValidation, DsMlaNeedsFourByteAlignment) {
+  mlakv::MlaRopeCacheParams p = p_;
+  p.kv_cache = mlakv::make_cache_view(static_cast<uint8_t*>(ds_cache_) + 2,
+                                      CacheFormat::kFloat8DsMla, 1, kBlockSize, L, R);
+  reject(p, "kv_cache: expected data aligned to 4 bytes");
+  p.kv_cache = mlakv::make_cache_view(ds_cache_, CacheFormat::kFloat8DsMla, 1, kBlockSize, L, R);
+  p.kv_cache.stride_token_bytes += 2;
+  reject(p, "kv_cache: expected stride_token_bytes and stride_block_bytes multiples of 4");
+}
+
+// The split layout needs its latent data even for a cache of no slots (the rule of the non-null
+// data of a cache with slots is CacheNullData's).
+TEST_F(MlaValidation, SplitCacheMissingLatentDataWithoutSlots) {
+  p_.kv_cache =
+      mlakv::make_split_cache_view(nullptr, cache_, CacheFormat::kBFloat16, 0, kBlockSize, L, R);
+  reject(p_, "kv_cache: split layout needs both data and rope_data");
+}
+
+// Unused strides are still bounded: a token stride of -1 (blocks of one entry), a block stride of
+// 2^56 (one block), as the unused block stride of -1 is in CacheUnusedStridesTakeAnyValue.
+TEST_F(MlaValidation, CacheUnusedStridesStillBounded) {
+  p_.kv_cache =
+      mlakv::make_cache_view(cache_, CacheFormat::kBFloat16, kBlocks * kBlockSize, 1, L, R);
+  mlakv::MlaRopeCacheParams p = p_;
+  p.kv_cache.stride_token_bytes = -1;
+  reject(p, "kv_cache: expected stride_token_bytes and stride_block_bytes in [0, 2^56)");
+  // And above: an unused block stride of 2^56 (one block).
+  p = p_;
+  p.kv_cache =
+      mlakv::make_cache_view(cache_, CacheFormat::kBFloat16, 1, kBlocks * kBlockSize, L, R);
+  p.kv_cache.stride_block_bytes = int64_t{1} << 56;
+  reject(p, "kv_cache: expected stride_token_bytes and stride_block_bytes in [0, 2^56)");
+}
+
+// The entry and block strides at their exact bounds: one byte short is rejected. An fp8 cache,
+// whose 1-byte alignment lets no alignment rule reject the odd strides first.
+TEST_F(MlaValidation, CacheStridesOneByteShort) {
+  const int64_t entry = mlakv::cache_entry_bytes(CacheFormat::kFloat8E4M3, L, R);
+  p_.kv_cache = mlakv::make_cache_view(cache_, CacheFormat::kFloat8E4M3, kBlocks, kBlockSize, L, R);
+  ASSERT_EQ(p_.kv_cache.stride_token_bytes, entry);
+  mlakv::MlaRopeCacheParams p = p_;
+  p.kv_cache.stride_token_bytes = entry - 1;
+  p.kv_cache.stride_block_bytes = kBlockSize * (entry - 1);
+  reject(p, "kv_cache: expected stride_token_bytes >= 576 (the entry)");
+  p = p_;
+  p.kv_cache.stride_block_bytes = kBlockSize * entry - 1;
+  reject(p, "kv_cache: expected stride_block_bytes >= block_size * stride_token_bytes");
+}
+
+// A used block stride must be a multiple of the alignment too, with an aligned token stride.
+TEST_F(MlaValidation, CacheBlockStrideMisaligned) {
+  p_.kv_cache.stride_block_bytes += 1;
+  reject(p_, "kv_cache: expected stride_token_bytes and stride_block_bytes multiples of 2");
+}
+
+// The extent of one block of 2^45 + 1 entries 2 KB apart passes 2^56 through the token term alone.
+TEST_F(MlaValidation, CacheTokenTermPastTheExtentLimit) {
+  p_.kv_cache.num_blocks = 1;
+  p_.kv_cache.block_size = (int64_t{1} << 45) + 1;
+  p_.kv_cache.stride_token_bytes = int64_t{1} << 11;
+  reject(p_, "kv_cache: expected entries spanning less than 2^56 bytes");
+}
+
+// A cache whose last entry would pass the top of the address space (never dereferenced).
+TEST_F(MlaValidation, CacheAddressWraps) {
+  p_.kv_cache.data = reinterpret_cast<void*>(~uintptr_t{4095});
+  reject(p_, "kv_cache: expected entries spanning less than 2^56 bytes from the cache's address");
+}
+
+TEST_F(MlaValidation, NegativeThreadCount) {
+  mlakv::Context ctx;
+  ctx.num_threads = -1;
+  reject(p_, "ctx.num_threads: expected >= 0", ctx);
+}
+
+TEST_F(MlaValidation, UnknownRopeStyle) {
+  p_.rope_style = static_cast<mlakv::RopeStyle>(9);
+  reject(p_, "rope_style: expected kGptJ or kNeox");
+}
+
+// An empty output at its input's address is no alias, whatever its strides (no byte is shared):
+// accepted with T = 0.
+TEST_F(MlaValidation, EmptyOutputAtItsInputsAddress) {
+  p_.num_tokens = 0;
+  p_.num_decode_tokens = 0;
+  p_.q_prefill_out = mlakv::make_strided_view(p_.q.data, DType::kBFloat16, {0, H, P + R},
+                                              {H * (P + R), 2 * (P + R), 1});
+  EXPECT_NO_THROW(mlakv::mla_rope_cache(p_));
+}
+
+// An exact alias need not match the stride of a size-1 dim (never used): one token's k_pe_out
+// over k_pe with another row stride is k_pe rotated in place.
+TEST_F(MlaValidation, ExactAliasIgnoresSizeOneStrides) {
+  p_.num_tokens = 1;
+  p_.num_decode_tokens = 1;
+  p_.k_pe_out = mlakv::make_strided_view(p_.k_pe.data, DType::kBFloat16, {1, R}, {7, 1});
+  const std::vector<uint8_t> before(static_cast<uint8_t*>(p_.k_pe.data),
+                                    static_cast<uint8_t*>(p_.k_pe.data) + R * 2);
+  EXPECT_NO_THROW(mlakv::mla_rope_cache(p_));
+  EXPECT_NE(std::memcmp(before.data(), p_.k_pe.data, R * 2), 0) << "k_pe not rotated in place";
+}
+
+// q_pe is read for the Td decode rows: fewer rows would be read past its end.
+TEST_F(MlaValidation, QPeTooFewRowsForTd) {
+  p_.q_pe.shape[0] = Td - 1;
+  reject(p_, "q_pe: expected shape[0] >= Td = 2");
+}
+
+// q of the rope part only (P = 0) is a valid prefill query.
+TEST_F(MlaValidation, QOfTheRopePartOnly) {
+  p_.q = mlakv::make_view(p_.q.data, DType::kBFloat16, {T, H, R});
+  p_.q_prefill_out = TensorView{};
+  EXPECT_NO_THROW(mlakv::mla_rope_cache(p_));
 }
 
 // ---- the other ops --------------------------------------------------------------------------
@@ -991,6 +1239,41 @@ TEST_F(OpsValidation, GatherCache) {
   expect_rejected(
       arena_, [&] { mlakv::gather_cache_sequences(sbad); },
       "block_table: expected a view within 2^56 bytes");
+}
+
+// A negative size is rejected in dims that no other rule bounds (the block table's width, the
+// sequences' output rows): without the sizes >= 0 rule, -1 spans one element and passes.
+TEST_F(OpsValidation, NegativeSizesInUnboundDims) {
+  void* cache =
+      arena_.sentinel(static_cast<size_t>(mlakv::cache_bytes(CacheFormat::kBFloat16, 2, 4, L, R)));
+  mlakv::GatherCacheSequencesParams s;
+  s.num_seqs = 2;
+  s.kv_cache = mlakv::make_cache_view(cache, CacheFormat::kBFloat16, 2, 4, L, R);
+  s.block_table = mlakv::make_view(arena_.indices32({0, 1, 1, 0}), DType::kInt32, {2, 2});
+  s.cu_seq_lens = mlakv::make_view(arena_.indices32({0, 3, 8}), DType::kInt32, {3});
+  s.out = mlakv::make_view(arena_.sentinel(8 * (L + R) * 2), DType::kBFloat16, {8, L + R});
+  EXPECT_NO_THROW(mlakv::gather_cache_sequences(s));
+  mlakv::GatherCacheSequencesParams bad = s;
+  bad.block_table.shape[1] = -1;
+  expect_rejected(
+      arena_, [&] { mlakv::gather_cache_sequences(bad); }, "block_table: expected sizes >= 0");
+  bad = s;
+  bad.out.shape[0] = -1;
+  expect_rejected(
+      arena_, [&] { mlakv::gather_cache_sequences(bad); }, "out: expected sizes >= 0");
+}
+
+// gather_cache_slots writes N rows of out: fewer rows would be written past its end.
+TEST_F(OpsValidation, GatherSlotsOutTooFewRows) {
+  void* cache =
+      arena_.sentinel(static_cast<size_t>(mlakv::cache_bytes(CacheFormat::kBFloat16, 2, 4, L, R)));
+  mlakv::GatherCacheSlotsParams p;
+  p.num_tokens = T;
+  p.kv_cache = mlakv::make_cache_view(cache, CacheFormat::kBFloat16, 2, 4, L, R);
+  p.slots = mlakv::make_view(arena_.indices({1, -1, 7}), DType::kInt64, {T});
+  p.out = mlakv::make_view(arena_.sentinel(T * (L + R) * 4), DType::kFloat32, {T - 1, L + R});
+  expect_rejected(
+      arena_, [&] { mlakv::gather_cache_slots(p); }, "out: expected shape[0] >= N = 3");
 }
 
 // ---- names, errors, small helpers ------------------------------------------------------------
