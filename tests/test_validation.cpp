@@ -485,10 +485,18 @@ TEST_F(MlaValidation, SplitCacheRopeStrideTooSmall) {
   reject(p_, "kv_cache");
 }
 
+// The split layout without its latent data: with slots, the non-null data rule rejects it; with
+// none, the split layout's own rule does.
 TEST_F(MlaValidation, SplitCacheMissingLatentData) {
-  p_.kv_cache =
-      mlakv::make_split_cache_view(nullptr, cache_, CacheFormat::kBFloat16, 1, kBlockSize, L, R);
-  reject(p_, "kv_cache");
+  const std::pair<int64_t, const char*> cases[] = {
+      {1, "kv_cache: expected non-null data for 4 slots"},
+      {0, "kv_cache: split layout needs both data and rope_data"}};
+  for (const auto& [num_blocks, message] : cases) {
+    SCOPED_TRACE(num_blocks);
+    p_.kv_cache = mlakv::make_split_cache_view(nullptr, cache_, CacheFormat::kBFloat16, num_blocks,
+                                               kBlockSize, L, R);
+    reject(p_, message);
+  }
 }
 
 TEST_F(MlaValidation, DeviceMismatch) {
@@ -916,14 +924,6 @@ TEST_F(MlaValidation, DsMlaNeedsFourByteAlignment) {
   p.kv_cache = mlakv::make_cache_view(ds_cache_, CacheFormat::kFloat8DsMla, 1, kBlockSize, L, R);
   p.kv_cache.stride_token_bytes += 2;
   reject(p, "kv_cache: expected stride_token_bytes and stride_block_bytes multiples of 4");
-}
-
-// The split layout needs its latent data even for a cache of no slots (the rule of the non-null
-// data of a cache with slots is CacheNullData's).
-TEST_F(MlaValidation, SplitCacheMissingLatentDataWithoutSlots) {
-  p_.kv_cache =
-      mlakv::make_split_cache_view(nullptr, cache_, CacheFormat::kBFloat16, 0, kBlockSize, L, R);
-  reject(p_, "kv_cache: split layout needs both data and rope_data");
 }
 
 // Unused strides are still bounded: a token stride of -1 (blocks of one entry), a block stride of
