@@ -161,6 +161,17 @@ class MlaValidation : public ::testing::Test {
         arena_, [&] { mlakv::mla_rope_cache(p, ctx); }, argument);
   }
 
+  // p_ with the K side only (no Q tensor, Td = 0) writing the fp8_ds_mla cache: what a test of
+  // fp8_ds_mla's geometry rules narrows further.
+  mlakv::MlaRopeCacheParams ds_mla_k_side_only() const {
+    mlakv::MlaRopeCacheParams p = p_;
+    for (TensorView* t : {&p.q_out, &p.q_pe, &p.ql_nope, &p.q, &p.q_prefill_out}) *t = TensorView{};
+    p.num_decode_tokens = 0;
+    p.kv_cache =
+        mlakv::make_cache_view(ds_cache_, CacheFormat::kFloat8DsMla, kBlocks, kBlockSize, L, R);
+    return p;
+  }
+
   Arena arena_;
   void* cache_ = nullptr;
   void* ds_cache_ = nullptr;
@@ -448,17 +459,12 @@ TEST_F(MlaValidation, Pow2ScaleOnBf16Cache) {
 
 TEST_F(MlaValidation, DsMlaNeedsL512) {
   // L = 256 everywhere, cache view geometry included: the format itself rejects it.
-  p_.kv_c = mlakv::make_view(p_.kv_c.data, DType::kBFloat16, {T, 256});
-  p_.kv_norm_weight = TensorView{};
-  p_.kv_c_out = TensorView{};
-  p_.q_out = TensorView{};
-  p_.q_pe = TensorView{};
-  p_.ql_nope = TensorView{};
-  p_.num_decode_tokens = 0;
-  p_.kv_cache =
-      mlakv::make_cache_view(ds_cache_, CacheFormat::kFloat8DsMla, kBlocks, kBlockSize, L, R);
-  p_.kv_cache.kv_lora_rank = 256;
-  reject(p_, "kv_cache");
+  mlakv::MlaRopeCacheParams p = ds_mla_k_side_only();
+  p.kv_c = mlakv::make_view(p_.kv_c.data, DType::kBFloat16, {T, 256});
+  p.kv_norm_weight = TensorView{};
+  p.kv_c_out = TensorView{};
+  p.kv_cache.kv_lora_rank = 256;
+  reject(p, "kv_cache");
 }
 
 TEST_F(MlaValidation, DsMlaNeedsBf16) {
@@ -883,18 +889,10 @@ TEST_F(MlaValidation, CacheNullData) {
 // fp8_ds_mla's own rules, each alone: R = 32 with L = 512 (the entry is 656 bytes for R = 64
 // only), and a rope_data part with strides that would pass for a split cache.
 TEST_F(MlaValidation, DsMlaNeedsR64AndTheCombinedLayout) {
-  mlakv::MlaRopeCacheParams p = p_;
+  mlakv::MlaRopeCacheParams p = ds_mla_k_side_only();
   p.k_pe = mlakv::make_view(p_.k_pe.data, DType::kBFloat16, {T, 32});
   p.cos_sin_cache = mlakv::make_view(p_.cos_sin_cache.data, DType::kFloat32, {kMaxPos, 32});
   p.k_pe_out = TensorView{};
-  p.q_out = TensorView{};
-  p.q_pe = TensorView{};
-  p.ql_nope = TensorView{};
-  p.q = TensorView{};
-  p.q_prefill_out = TensorView{};
-  p.num_decode_tokens = 0;
-  p.kv_cache =
-      mlakv::make_cache_view(ds_cache_, CacheFormat::kFloat8DsMla, kBlocks, kBlockSize, L, R);
   p.kv_cache.rope_dim = 32;
   reject(p, "kv_cache: fp8_ds_mla needs L = 512 and R = 64");
 
