@@ -212,6 +212,48 @@ TEST_F(CudaFusedKernelChoice, DecodeQConcatRopeInCopyFromTheThreshold) {
   }
 }
 
+// The template arguments of mla_rope_cache_kernel<...> as the demangled name spells them, split at
+// ", " (T, kFormat, QOut, kVec, kKTableFirst, kRopeInCopy), or empty if `name` is not that kernel.
+std::vector<std::string> fused_arguments(const std::string& name) {
+  const std::string kernel = "mla_rope_cache_kernel<";
+  const size_t begin = name.find(kernel);
+  const size_t end = name.find(">(");
+  std::vector<std::string> args;
+  if (begin == std::string::npos || end == std::string::npos || end < begin) return args;
+  size_t from = begin + kernel.size();
+  while (from <= end) {
+    const size_t comma = std::min(name.find(", ", from), end);
+    args.push_back(name.substr(from, comma - from));
+    from = comma + 2;
+  }
+  return args;
+}
+
+// The stride of a size-1 cache dim is never used, and validation hands the backend 0 for it: a
+// caller's junk value there (here 7 bytes, which no 16-byte access could take) leaves the launch
+// on the 16-byte path, as a packed stride does.
+TEST_F(CudaFusedKernelChoice, UnusedCacheStrideKeepsTheVectorPath) {
+  for (const bool one_block : {true, false}) {
+    SCOPED_TRACE(one_block ? "one block" : "blocks of one entry");
+    FusedSpec spec = spec_of("unused_stride", Entry::kFused, 9, 4);
+    if (one_block) {
+      spec.cache.num_blocks = 1;
+    } else {
+      spec.cache.block_size = 1;
+      spec.cache.num_blocks = 64;
+    }
+    for (const int64_t junk : {int64_t{0}, int64_t{7}}) {
+      SCOPED_TRACE("unused stride " + std::to_string(junk));
+      spec.cache.unused_stride_bytes = junk;
+      const std::vector<std::string> names = kernels_of(spec);
+      ASSERT_EQ(names.size(), 1u) << "expected one kernel, the fused one";
+      const std::vector<std::string> args = fused_arguments(names[0]);
+      ASSERT_EQ(args.size(), 6u) << names[0];
+      EXPECT_EQ(args[3], "true") << names[0];
+    }
+  }
+}
+
 // rmsnorm_quant's exact-fit kernel in the thread form of the grid's size (cuda/rmsnorm_quant.h):
 // one chunk a thread while the whole grid is at most kRmsqOneChunkMaxBlocks blocks of two rows,
 // two up to kRmsqTwoChunksMaxBlocks of q_c's, then 64 threads; other widths take the generic
