@@ -8,7 +8,7 @@ The functional gather ops return a new ``[rows, L + R]`` tensor.
 
 import torch
 
-from mlakv.cache import cache_latent_width
+from mlakv.cache import cache_latent_width, op_errors
 
 
 def _one_device(op, args):
@@ -34,10 +34,8 @@ def _gather_width(kv_cache, cache_format, kv_lora_rank, kv_cache_rope, out_dtype
     # What the real gather ops reject before they look at the data, with their exception type.
     if out_dtype not in (torch.float32, torch.bfloat16):
         raise RuntimeError(f"mlakv: out_dtype: expected float32 or bfloat16, got {out_dtype}")
-    try:
+    with op_errors():
         return cache_latent_width(kv_cache, cache_format, kv_lora_rank, kv_cache_rope)
-    except ValueError as e:
-        raise RuntimeError(f"mlakv: {e}") from None
 
 
 @torch.library.register_fake("mlakv::gather_cache_slots")

@@ -14,6 +14,7 @@ Formats (DESIGN.md):
   four tiles of 128, four fp32 tile scales, then 64 bf16 rope values.
 """
 
+import contextlib
 from typing import Dict, Optional
 
 import torch
@@ -125,6 +126,16 @@ def cache_latent_width(kv_cache: torch.Tensor, cache_format: str, kv_lora_rank: 
     if kv_cache_rope is not None:
         width = width + kv_cache_rope.shape[2] * kv_cache_rope.element_size() // elem
     return width
+
+
+@contextlib.contextmanager
+def op_errors():
+    """The ValueError of a helper above, as the ops' own argument error: a RuntimeError
+    ``mlakv: <message>`` (what a wrapper or fake kernel raises where the op would have)."""
+    try:
+        yield
+    except ValueError as e:
+        raise RuntimeError(f"mlakv: {e}") from None
 
 
 def new_error_counts(device="cpu") -> torch.Tensor:

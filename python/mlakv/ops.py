@@ -27,7 +27,7 @@ from typing import Optional
 
 import torch
 
-from mlakv.cache import cache_latent_width, canonical_format
+from mlakv.cache import cache_latent_width, canonical_format, op_errors
 
 _ops = torch.ops.mlakv
 
@@ -170,19 +170,15 @@ def rms_norm(input: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *,
 def _gather_format(cache_format, kv_cache):
     # Resolve "auto" here so that the op (and its fake kernel) always see a concrete name. A bad
     # name is an argument error like the ops' own: RuntimeError (as concat_and_cache_mla gives).
-    try:
+    with op_errors():
         return canonical_format(cache_format, kv_cache)
-    except ValueError as e:
-        raise RuntimeError(f"mlakv: {e}") from None
 
 
 def _out_width(kv_cache, fmt, kv_lora_rank, kv_cache_rope):
     # The width of an output the wrapper allocates; a cache the op would reject gets the op's
     # exception type, not an IndexError from the shape arithmetic.
-    try:
+    with op_errors():
         return cache_latent_width(kv_cache, fmt, kv_lora_rank, kv_cache_rope)
-    except ValueError as e:
-        raise RuntimeError(f"mlakv: {e}") from None
 
 
 def gather_cache_slots(kv_cache: torch.Tensor, slots: torch.Tensor, *, kv_lora_rank: int,
