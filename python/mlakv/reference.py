@@ -10,7 +10,7 @@ same way (in place), so a test runs both on cloned inputs and compares. Math fol
   in fp32 steps (the square root and the reciprocal correctly rounded), rounded once: the
   kernels' bytes exactly.
 * FP8: saturating round-to-nearest-even (clamp to +-max first: torch's casts do not saturate),
-  NaN stays NaN; stored value = ``cvt(x / scale)`` with the value first rounded to the model dtype.
+  NaN as below; stored value = ``cvt(x / scale)`` with the value first rounded to the model dtype.
 * NaN: a computed or converted output that is NaN has the library's canonical encoding
   (docs/decisions.md "Encoders"): 0x7fff for bf16 / fp16, 0x7fffffff for fp32, 0x7f for fp8,
   whatever the sign and payload (torch's casts keep the sign, fp32 the payload too): see
@@ -76,11 +76,6 @@ def encode(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         int_type, bits = _CANONICAL_NAN[dtype]
         out = torch.where(nan, torch.tensor(bits, dtype=int_type), out.view(int_type)).view(dtype)
     return out
-
-
-def to_fp8(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """float32 -> float8 with saturation (+-inf too) and round-to-nearest-even; NaN stays NaN."""
-    return encode(x, dtype)
 
 
 def _index(t: torch.Tensor, n: int) -> torch.Tensor:
@@ -176,7 +171,7 @@ def encode_entries(kv_c: torch.Tensor, k_pe: torch.Tensor, cache_format: str,
     if fmt == "fp8_ds_mla":
         tiles = kv_c.float().reshape(T, DS_MLA_NUM_TILES, DS_MLA_TILE)
         scales = ds_mla_tile_scale(amax_ignoring_nan(tiles), pow2)  # [T, 4]
-        q = to_fp8(tiles / scales.unsqueeze(-1), torch.float8_e4m3fn).reshape(T, DS_MLA_LATENT_DIM)
+        q = encode(tiles / scales.unsqueeze(-1), torch.float8_e4m3fn).reshape(T, DS_MLA_LATENT_DIM)
         rope = _cast(k_pe, torch.bfloat16)
         return torch.cat([q.view(torch.uint8), scales.contiguous().view(torch.uint8),
                           rope.contiguous().view(torch.uint8)], dim=-1)
@@ -184,7 +179,7 @@ def encode_entries(kv_c: torch.Tensor, k_pe: torch.Tensor, cache_format: str,
     dtype = cache_latent_dtype(fmt)
     if dtype in FP8_MAX:
         s = torch.tensor(1.0 if scale is None else scale, dtype=torch.float32)
-        return to_fp8(values.float() / s, dtype).view(torch.uint8)
+        return encode(values.float() / s, dtype).view(torch.uint8)
     return _cast(values, dtype).contiguous().view(torch.uint8)
 
 
@@ -298,7 +293,7 @@ def mla_rope_cache(positions, slot_mapping, cos_sin_cache, kv_c, k_pe, kv_cache,
         if q_out.dtype in FP8_MAX:  # the library requires ql_nope here
             vals = torch.cat([ql_nope[:Td].float().cpu(), rope.float()], dim=-1)
             s = torch.tensor(1.0 if q_scale is None else _scale_value(q_scale))
-            q_out[:Td].copy_(to_fp8(vals / s, q_out.dtype))
+            q_out[:Td].copy_(encode(vals / s, q_out.dtype))
         else:  # q_out has the model dtype: ql_nope (when given) is copied as it is
             if ql_nope is not None:
                 q_out[:Td, :, :L].copy_(ql_nope[:Td])
@@ -346,7 +341,7 @@ def decode_q_concat(ql_nope, q_pe, q_out, *, q_scale=None) -> None:
     if q_out.dtype in FP8_MAX:
         vals = torch.cat([ql_nope[:T].float(), q_pe[:T].float()], dim=-1)
         s = torch.tensor(1.0 if q_scale is None else _scale_value(q_scale))
-        q_out.copy_(to_fp8(vals.cpu() / s, q_out.dtype).to(q_out.device))
+        q_out.copy_(encode(vals.cpu() / s, q_out.dtype).to(q_out.device))
     else:  # the model dtype: both parts copied as they are
         L = ql_nope.shape[-1]
         q_out[:, :, :L].copy_(ql_nope[:T])
