@@ -422,6 +422,25 @@ class RmsNormQuantTest : public testing::TestWithParam<Backend> {
     expect_job_matches(kv, kc, label + " kv");
   }
 
+  // per_token_group_quant_fp8 (no weight) on random data, against the reference; `prepare` as
+  // below.
+  void run_group_quant(const Case& c, uint64_t seed,
+                       const std::function<void(Job&)>& prepare = {}) {
+    const std::string label = case_label(c) + " (per_token_group_quant_fp8)";
+    SCOPED_TRACE(label);
+    std::mt19937_64 rng(seed);
+    Job j = make_job(device(), c, rng, false, true);
+    if (prepare) prepare(j);
+    upload(j);
+    reference(ref_job(j, c));
+    PerTokenGroupQuantParams p;
+    p.num_tokens = c.T;
+    p.input = j.input.device_view();
+    p.quant = quant_view(j, c);
+    per_token_group_quant_fp8(p);
+    expect_job_matches(j, c, label);
+  }
+
   // `prepare` may change the job's host data (its inputs and weight) before the upload.
   void run_rmsnorm_quant(const Case& c, uint64_t seed,
                          const std::function<void(Job&)>& prepare = {}) {
@@ -547,6 +566,27 @@ TEST_P(RmsNormQuantTest, ExactFitAndGenericWidths) {
         c.normed = c.residual ? Case::kSeparate : Case::kInPlace;
         c.layout = G == 64 ? ScaleLayout::kColumnMajor : ScaleLayout::kRowMajor;
         run_rmsnorm_quant(c, ++seed);
+      }
+    }
+  }
+}
+
+// The exact-fit widths' two configurations without a residual or normed_out (rmsnorm_quant of q_c,
+// and per_token_group_quant_fp8) in each CUDA thread form of N = 1536 (T = 5, 3001, 4501: one, two
+// and three chunks a thread), with DeepSeek-V3's group of 128 and another group size. The CPU
+// backend has no thread forms: it runs the smallest T only.
+TEST_P(RmsNormQuantTest, ExactFitWithoutResidualOrNormedOut) {
+  uint64_t seed = 2000;
+  for (DType dt : {DType::kBFloat16, DType::kFloat16}) {
+    for (int64_t T : {5, 3001, 4501}) {
+      if (T > 5 && device().type == DeviceType::kCPU) continue;
+      for (int64_t G : {128, 64}) {
+        Case c = make_case("plain", dt, 1536, T);
+        c.group_size = G;
+        c.layout = T == 3001 ? ScaleLayout::kColumnMajor : ScaleLayout::kRowMajor;
+        c.pow2 = G == 64;
+        run_rmsnorm_quant(c, ++seed);
+        run_group_quant(c, ++seed);
       }
     }
   }
@@ -880,18 +920,11 @@ TEST_P(RmsNormQuantTest, PerTokenGroupQuant) {
       c.scale_pad = 3;
       c.pow2 = layout == ScaleLayout::kColumnMajor;
       c.row_pad = dt == DType::kFloat16 ? 16 : 0;
-      SCOPED_TRACE(case_label(c));
-      std::mt19937_64 rng(++seed);
-      Job j = make_job(device(), c, rng, false, true);
-      for (int64_t k = 0; k < c.group_size; ++k) write_model(host_at(j.input, 2, 256 + k), dt, 0.0);
-      upload(j);
-      reference(ref_job(j, c));
-      PerTokenGroupQuantParams p;
-      p.num_tokens = c.T;
-      p.input = j.input.device_view();
-      p.quant = quant_view(j, c);
-      per_token_group_quant_fp8(p);
-      expect_job_matches(j, c, case_label(c));
+      run_group_quant(c, ++seed, [&](Job& j) {
+        for (int64_t k = 0; k < c.group_size; ++k) {
+          write_model(host_at(j.input, 2, 256 + k), dt, 0.0);
+        }
+      });
     }
   }
 }
