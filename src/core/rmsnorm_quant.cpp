@@ -104,7 +104,7 @@ class Validator {
                     v.describe());
     }
     const int64_t elem = static_cast<int64_t>(dtype_size(dtype));
-    if (v.stride[0] % (kVectorBytes / elem) != 0) {
+    if (core::canonical_stride(v, 0) % (kVectorBytes / elem) != 0) {
       fail(arg, "expected a row stride that is a multiple of " +
                     std::to_string(kVectorBytes / elem) + " elements (16 bytes), got " +
                     v.describe());
