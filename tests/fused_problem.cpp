@@ -351,6 +351,15 @@ void FusedProblem::expect_matches() const {
   expect_cache_matches(cache, written, "kv_cache");
 }
 
+MlaRopeCacheParams with_unused_strides(MlaRopeCacheParams p, int64_t junk) {
+  for (TensorView* t :
+       {&p.positions, &p.slot_mapping, &p.cos_sin_cache, &p.kv_c, &p.k_pe, &p.kv_norm_weight,
+        &p.k_pe_out, &p.kv_c_out, &p.q_pe, &p.ql_nope, &p.q_out, &p.q, &p.q_prefill_out}) {
+    *t = with_unused_strides(*t, junk);
+  }
+  return p;
+}
+
 void run_fused_case(const FusedSpec& spec, Device device) {
   SCOPED_TRACE("spec " + spec.name + " on " + device_name(device));
   FusedProblem problem(spec, device);

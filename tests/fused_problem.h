@@ -112,6 +112,10 @@ class FusedProblem {
   ErrorCounts counts;
 };
 
+// `p` with with_unused_strides(view, junk) applied to every tensor view in it (the cache keeps its
+// own: CacheGeometry::unused_stride_bytes).
+MlaRopeCacheParams with_unused_strides(MlaRopeCacheParams p, int64_t junk);
+
 // Runs one spec on one backend against the reference, with all checks.
 void run_fused_case(const FusedSpec& spec, Device device);
 

@@ -94,6 +94,10 @@ Tensor padded_rows(Device device, DType dtype, int64_t rows, int64_t cols, int64
 Tensor padded_heads(Device device, DType dtype, int64_t rows, int64_t H, int64_t cols,
                     int64_t row_pad, int64_t head_pad = 0);
 
+// `t` with the stride of every size-1 dim set to `junk`. Such a stride is never used for addressing
+// and may be anything (PyTorch: torch.empty(512, 1).t() is [1, 512] with strides (1, 1)).
+TensorView with_unused_strides(TensorView t, int64_t junk);
+
 // ---- fills -------------------------------------------------------------------------------------
 // Random values of `dtype` in [-amplitude, amplitude] over the WHOLE buffer (gaps included),
 // never exactly zero. Integer dtypes get random bytes.

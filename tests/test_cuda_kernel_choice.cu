@@ -254,6 +254,39 @@ TEST_F(CudaFusedKernelChoice, UnusedCacheStrideKeepsTheVectorPath) {
   }
 }
 
+// The same for the tensors: validation hands the backend the canonical stride of a size-1 dim
+// (core::canonical_stride), so junk there (1: a transposed kv_c [512, 1] -> [1, 512] has strides
+// (1, 1); 3: an odd head stride of q_pe, ql_nope, q_out and q at H = 1) leaves the launch on the
+// 16-byte path. One token of one-row tensors (every token stride unused) and one head over 9
+// tokens (every head stride unused).
+TEST_F(CudaFusedKernelChoice, UnusedTensorStridesKeepTheVectorPath) {
+  FusedSpec one_token = spec_of("one_token", Entry::kFused, 1, 1);
+  one_token.shape = ModelShape{"h1", 1, 512, 64, 128};
+  one_token.extra_rows = 0;
+  one_token.k_pe_out = true;
+  one_token.kv_c_out = true;
+  one_token.prefill_out = true;
+  FusedSpec one_head = one_token;
+  one_head.name = "one_head";
+  one_head.T = 9;
+  one_head.Td = 4;
+  one_head.extra_rows = 2;
+  for (const FusedSpec& spec : {one_token, one_head}) {
+    const FusedProblem problem(spec, device_);
+    for (const int64_t junk : {int64_t{0}, int64_t{1}, int64_t{3}}) {
+      SCOPED_TRACE(spec.name + (junk != 0 ? ", unused strides " + std::to_string(junk) : ""));
+      const MlaRopeCacheParams p =
+          junk != 0 ? with_unused_strides(problem.params(false), junk) : problem.params(false);
+      const std::vector<std::string> names =
+          kernels_of([&](const Context& ctx) { mla_rope_cache(p, ctx); });
+      ASSERT_EQ(names.size(), 1u) << "expected one kernel, the fused one";
+      const std::vector<std::string> args = fused_arguments(names[0]);
+      ASSERT_EQ(args.size(), 6u) << names[0];
+      EXPECT_EQ(args[3], "true") << names[0];
+    }
+  }
+}
+
 // rmsnorm_quant's exact-fit kernel in the thread form of the grid's size (cuda/rmsnorm_quant.h):
 // one chunk a thread while the whole grid is at most kRmsqOneChunkMaxBlocks blocks of two rows,
 // two up to kRmsqTwoChunksMaxBlocks of q_c's, then 64 threads; other widths take the generic

@@ -3,10 +3,14 @@
 // checked mode), always against the reference and with exact error counts.
 #include <gtest/gtest.h>
 
+#include <cstdint>
+#include <random>
 #include <string>
 #include <tuple>
 #include <vector>
 
+#include "core/rmsnorm_quant_args.h"
+#include "core/validate.h"
 #include "fused_problem.h"
 
 namespace mlakv {
@@ -298,6 +302,223 @@ TEST_P(NoCounters, DeviceTdClampedBadSlotsAndPositionsHandled) {
 }
 
 INSTANTIATE_TEST_SUITE_P(All, NoCounters, testing::ValuesIn(all_backends()), backend_param_name);
+
+// ---- strides of size-1 dims ---------------------------------------------------------------------
+// A size-1 dim's stride is never used for addressing and may be anything (PyTorch gives kv_c
+// [512, 1].t() the strides (1, 1)). Validation hands the backends the canonical stride
+// (core::canonical_stride) instead, so that no launcher test of the strides it gets (the CUDA
+// launchers' 16-byte vector test, the copy lists' one-run test) sees the caller's value: a junk
+// stride there must give the backends exactly the arguments of the contiguous tensor.
+
+// One head (the head stride unused) of DeepSeek-V3's widths.
+constexpr ModelShape kOneHead{"h1", 1, 512, 64, 128};
+
+// The unused-stride specs: one token of per-token tensors of one row (every token stride unused),
+// decode and prefill, and a head count of 1 over several tokens, packed and with padded rows.
+std::vector<FusedSpec> unused_stride_specs() {
+  FusedSpec s = named("one_token_decode");
+  s.shape = kOneHead;
+  s.T = 1;
+  s.Td = 1;
+  s.extra_rows = 0;
+  s.norm = true;
+  s.prefill_out = true;
+  std::vector<FusedSpec> out = {s};
+  s.name = "one_token_prefill";
+  s.Td = 0;
+  out.push_back(s);
+  s = named("one_head");
+  s.shape = kOneHead;
+  s.T = 5;
+  s.Td = 3;
+  s.prefill_out = true;
+  out.push_back(s);
+  s.name = "one_head_padded_rows";
+  s.row_pad = 8;
+  out.push_back(s);
+  return out;
+}
+
+core::MlaRopeCacheArgs fused_args(const MlaRopeCacheParams& p) {
+  Device device;
+  return core::validate_mla_rope_cache("mla_rope_cache", p, Context{}, &device);
+}
+
+// Every stride of the fused op's args (those of the cache included).
+void expect_same_strides(const core::MlaRopeCacheArgs& got, const core::MlaRopeCacheArgs& want) {
+#define MLAKV_EXPECT_FIELD(field) EXPECT_EQ(got.field, want.field) << #field
+  MLAKV_EXPECT_FIELD(positions.stride);
+  MLAKV_EXPECT_FIELD(slot_mapping.stride);
+  MLAKV_EXPECT_FIELD(rope.stride_pos);
+  MLAKV_EXPECT_FIELD(stride_kv_c_token);
+  MLAKV_EXPECT_FIELD(stride_k_pe_token);
+  MLAKV_EXPECT_FIELD(stride_k_pe_out_token);
+  MLAKV_EXPECT_FIELD(stride_kv_c_out_token);
+  MLAKV_EXPECT_FIELD(stride_q_pe_token);
+  MLAKV_EXPECT_FIELD(stride_q_pe_head);
+  MLAKV_EXPECT_FIELD(stride_ql_nope_token);
+  MLAKV_EXPECT_FIELD(stride_ql_nope_head);
+  MLAKV_EXPECT_FIELD(stride_q_out_token);
+  MLAKV_EXPECT_FIELD(stride_q_out_head);
+  MLAKV_EXPECT_FIELD(stride_q_token);
+  MLAKV_EXPECT_FIELD(stride_q_head);
+  MLAKV_EXPECT_FIELD(stride_q_prefill_out_token);
+  MLAKV_EXPECT_FIELD(stride_q_prefill_out_head);
+  MLAKV_EXPECT_FIELD(cache.stride_block_bytes);
+  MLAKV_EXPECT_FIELD(cache.stride_token_bytes);
+#undef MLAKV_EXPECT_FIELD
+}
+
+TEST(UnusedStrides, FusedArgsEqualTheContiguousTensors) {
+  for (const FusedSpec& spec : unused_stride_specs()) {
+    SCOPED_TRACE(spec.name);
+    const FusedProblem problem(spec, Device{});
+    const MlaRopeCacheParams p = problem.params(false);
+    const core::MlaRopeCacheArgs want = fused_args(p);
+    for (const int64_t junk : {int64_t{1}, int64_t{3}, int64_t{-5}}) {
+      SCOPED_TRACE("junk stride " + std::to_string(junk));
+      const core::MlaRopeCacheArgs got = fused_args(with_unused_strides(p, junk));
+      expect_same_strides(got, want);
+      // One head: the head stride is the token stride's, so the rows of a padded tensor stay one
+      // run (cuda/mla_rope_cache.cu make_copy_list).
+      if (spec.shape.H == 1 && spec.T > 1) {
+        EXPECT_EQ(got.stride_ql_nope_head, got.stride_ql_nope_token);
+        EXPECT_EQ(got.stride_q_out_head, got.stride_q_out_token);
+        EXPECT_EQ(got.stride_q_head, got.stride_q_token);
+        EXPECT_EQ(got.stride_q_prefill_out_head, got.stride_q_prefill_out_token);
+      }
+    }
+    if (spec.T == 1) {  // the contiguous strides themselves
+      EXPECT_EQ(want.stride_kv_c_token, spec.shape.L);
+      EXPECT_EQ(want.stride_q_out_token, spec.shape.L + spec.shape.R);
+      EXPECT_EQ(want.stride_q_out_head, spec.shape.L + spec.shape.R);
+    }
+  }
+}
+
+// The issue's own tensor: kv_c [1, 512] bf16 with strides (1, 1) (a transposed [512, 1]).
+TEST(UnusedStrides, TransposedKvCGetsTheRowStride) {
+  FusedSpec spec = unused_stride_specs()[0];
+  const FusedProblem problem(spec, Device{});
+  MlaRopeCacheParams p = problem.params(false);
+  p.kv_c = make_strided_view(p.kv_c.data, DType::kBFloat16, {1, 512}, {1, 1});
+  EXPECT_EQ(fused_args(p).stride_kv_c_token, 512);
+}
+
+TEST(UnusedStrides, RmsNormQuantArgsEqualTheContiguousTensors) {
+  constexpr int64_t N = 64, G = 32;
+  std::mt19937_64 rng(61);
+  const Tensor input = random_tensor(Device{}, DType::kBFloat16, {1, N}, rng);
+  const Tensor weight = random_tensor(Device{}, DType::kBFloat16, {N}, rng);
+  const Tensor residual = random_tensor(Device{}, DType::kBFloat16, {1, N}, rng);
+  const Tensor normed = poisoned_tensor(Device{}, DType::kBFloat16, {1, N});
+  const Tensor values = poisoned_tensor(Device{}, DType::kFloat8E4M3, {1, N});
+  const Tensor scales = poisoned_tensor(Device{}, DType::kFloat32, {1, N / G});
+  RmsNormQuantParams p;
+  p.num_tokens = 1;
+  p.input = input.device_view();
+  p.weight = weight.device_view();
+  p.residual = residual.device_view();
+  p.normed_out = normed.device_view();
+  p.quant.values = values.device_view();
+  p.quant.scales = scales.device_view();
+  p.quant.group_size = G;
+  Device device;
+  const core::RmsNormQuantTask want = core::validate_rmsnorm_quant(p, Context{}, &device).tasks[0];
+  // A row stride of one element: no 16-byte multiple, which a single row may have.
+  constexpr int64_t kJunk = 1;
+  for (TensorView* t : {&p.input, &p.residual, &p.normed_out, &p.quant.values, &p.quant.scales}) {
+    *t = with_unused_strides(*t, kJunk);
+  }
+  const core::RmsNormQuantTask got = core::validate_rmsnorm_quant(p, Context{}, &device).tasks[0];
+  EXPECT_EQ(got.stride_input_token, want.stride_input_token);
+  EXPECT_EQ(got.stride_residual_token, want.stride_residual_token);
+  EXPECT_EQ(got.stride_normed_out_token, want.stride_normed_out_token);
+  EXPECT_EQ(got.stride_quant_values_token, want.stride_quant_values_token);
+  EXPECT_EQ(got.stride_scales_token, want.stride_scales_token);
+  EXPECT_EQ(got.stride_scales_group, want.stride_scales_group);
+  EXPECT_EQ(want.stride_input_token, N);
+}
+
+TEST(UnusedStrides, GatherArgsEqualTheContiguousTensors) {
+  CacheGeometry g;
+  g.num_blocks = 4;
+  const TestCache cache = new_cache(Device{}, g);
+  const Tensor out = poisoned_tensor(Device{}, DType::kBFloat16, {1, g.L + g.R});
+  const Tensor slots = index_tensor(Device{}, DType::kInt64, {5});
+  const Tensor block_table = new_tensor(Device{}, DType::kInt32, {1, 3});  // not read
+  const Tensor cu_seq_lens = index_tensor(Device{}, DType::kInt32, {0, 1});
+  GatherCacheSlotsParams s;
+  s.num_tokens = 1;
+  s.kv_cache = cache.device_view();
+  s.slots = slots.device_view();
+  s.out = out.device_view();
+  GatherCacheSequencesParams q;
+  q.num_seqs = 1;
+  q.kv_cache = cache.device_view();
+  q.block_table = block_table.device_view();
+  q.cu_seq_lens = cu_seq_lens.device_view();
+  q.out = out.device_view();
+  Device device;
+  const core::GatherCacheArgs want_slots =
+      core::validate_gather_cache_slots("gather_cache_slots", s, Context{}, &device);
+  const core::GatherCacheArgs want_seqs =
+      core::validate_gather_cache_sequences("gather_cache_sequences", q, Context{}, &device);
+  for (const int64_t junk : {int64_t{1}, int64_t{3}}) {
+    SCOPED_TRACE("junk stride " + std::to_string(junk));
+    GatherCacheSlotsParams js = s;
+    js.slots = with_unused_strides(s.slots, junk);
+    js.out = with_unused_strides(s.out, junk);
+    const core::GatherCacheArgs got_slots =
+        core::validate_gather_cache_slots("gather_cache_slots", js, Context{}, &device);
+    EXPECT_EQ(got_slots.stride_out_token, want_slots.stride_out_token);
+    EXPECT_EQ(got_slots.slots.stride, want_slots.slots.stride);
+    GatherCacheSequencesParams jq = q;
+    jq.block_table = with_unused_strides(q.block_table, junk);
+    jq.out = with_unused_strides(q.out, junk);
+    const core::GatherCacheArgs got_seqs =
+        core::validate_gather_cache_sequences("gather_cache_sequences", jq, Context{}, &device);
+    EXPECT_EQ(got_seqs.stride_block_table_seq, want_seqs.stride_block_table_seq);
+    EXPECT_EQ(got_seqs.stride_out_token, want_seqs.stride_out_token);
+  }
+  EXPECT_EQ(want_slots.stride_out_token, g.L + g.R);
+  EXPECT_EQ(want_seqs.stride_block_table_seq, 3);
+}
+
+// The bytes: junk strides of size-1 dims give every output byte (q_out, the cache, the optional
+// outputs, q / q_prefill_out) the contiguous tensors give, and the reference's.
+class UnusedStridesOutputs : public testing::TestWithParam<Backend> {};
+
+TEST_P(UnusedStridesOutputs, FusedOutputsEqualTheContiguousTensors) {
+  for (const FusedSpec& spec : unused_stride_specs()) {
+    for (const int64_t junk : {int64_t{1}, int64_t{3}}) {
+      SCOPED_TRACE(spec.name + ", junk stride " + std::to_string(junk));
+      FusedProblem contiguous(spec, GetParam().device);
+      contiguous.run_library();
+      FusedProblem junked(spec, GetParam().device);
+      junked.run_reference();
+      Context ctx;
+      ctx.error_counts = junked.counts.device_ptr();
+      mla_rope_cache(with_unused_strides(junked.params(false), junk), ctx);
+      EXPECT_EQ(counts_to_string(junked.counts.read()), counts_to_string({0, 0, 0, 0}));
+      junked.expect_matches();
+      const auto same = [](const Tensor& a, const Tensor& b, const char* what) {
+        if (!a.present()) return;
+        EXPECT_TRUE(bytes_equal(b.buffer->download(), a.buffer->download(), what));
+      };
+      same(contiguous.q_out, junked.q_out, "q_out");
+      same(contiguous.q, junked.q, "q");
+      same(contiguous.q_prefill_out, junked.q_prefill_out, "q_prefill_out");
+      same(contiguous.k_pe_out, junked.k_pe_out, "k_pe_out");
+      same(contiguous.kv_c_out, junked.kv_c_out, "kv_c_out");
+      EXPECT_TRUE(
+          bytes_equal(junked.cache.data->download(), contiguous.cache.data->download(), "cache"));
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(All, UnusedStridesOutputs, testing::ValuesIn(all_backends()),
+                         backend_param_name);
 
 }  // namespace
 }  // namespace test

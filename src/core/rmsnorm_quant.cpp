@@ -104,7 +104,7 @@ class Validator {
                     v.describe());
     }
     const int64_t elem = static_cast<int64_t>(dtype_size(dtype));
-    if (v.stride[0] % (kVectorBytes / elem) != 0) {
+    if (core::canonical_stride(v, 0) % (kVectorBytes / elem) != 0) {
       fail(arg, "expected a row stride that is a multiple of " +
                     std::to_string(kVectorBytes / elem) + " elements (16 bytes), got " +
                     v.describe());
@@ -176,7 +176,7 @@ void validate_task(const std::string& prefix, int64_t num_tokens, const TensorVi
   task.num_tokens = num_tokens;
   task.hidden = N;
   task.input = input.data;
-  task.stride_input_token = input.stride[0];
+  task.stride_input_token = core::canonical_stride(input, 0);
   const char* input_name = m.name(p + "input");
   m.input(core::span_of(input_name, input, num_tokens));
 
@@ -193,7 +193,7 @@ void validate_task(const std::string& prefix, int64_t num_tokens, const TensorVi
   if (residual != nullptr && residual->present()) {
     v.check_rows(p + "residual", *residual, dt, N, "model-dtype");
     task.residual = residual->data;
-    task.stride_residual_token = residual->stride[0];
+    task.stride_residual_token = core::canonical_stride(*residual, 0);
     m.output(m.name(p + "residual"), *residual, num_tokens);
   }
 
@@ -201,7 +201,7 @@ void validate_task(const std::string& prefix, int64_t num_tokens, const TensorVi
     const std::string on = p + normed_out_name;
     v.check_rows(on, *normed_out, dt, N, "model-dtype");
     task.normed_out = normed_out->data;
-    task.stride_normed_out_token = normed_out->stride[0];
+    task.stride_normed_out_token = core::canonical_stride(*normed_out, 0);
     const bool in_place = normed_out->data == input.data &&
                           (normed_out->stride[0] == input.stride[0] || num_tokens <= 1);
     const char* out_name = m.name(on);
@@ -252,10 +252,11 @@ void validate_task(const std::string& prefix, int64_t num_tokens, const TensorVi
   v.check_aligned(sn, s, 4);
 
   task.quant_values = static_cast<uint8_t*>(quant->values.data);
-  task.stride_quant_values_token = quant->values.stride[0];
+  task.stride_quant_values_token = core::canonical_stride(quant->values, 0);
   task.scales = static_cast<float*>(s.data);
-  task.stride_scales_token = row_major ? s.stride[0] : 1;
-  task.stride_scales_group = row_major ? 1 : s.stride[1];
+  // The layout is chosen from the caller's strides (above); the task gets the canonical ones.
+  task.stride_scales_token = row_major ? core::canonical_stride(s, 0) : 1;
+  task.stride_scales_group = row_major ? 1 : core::canonical_stride(s, 1);
   task.group_size = G;
   task.scale_floor = quant->scale_floor;
   task.pow2_scale = quant->pow2_scale;
@@ -288,18 +289,30 @@ void dispatch(const core::RmsNormQuantArgs& args, Device device, const Context& 
 
 }  // namespace
 
-void rmsnorm_quant(const RmsNormQuantParams& params, const Context& ctx) {
+namespace core {
+
+RmsNormQuantArgs validate_rmsnorm_quant(const RmsNormQuantParams& params, const Context& ctx,
+                                        Device* device) {
   constexpr const char* kOp = "rmsnorm_quant";
   Validator v(kOp, params.num_tokens);
-  core::RmsNormQuantArgs args;
+  RmsNormQuantArgs args;
   args.num_tasks = 1;
-  core::MemoryCheck m(kOp);
+  MemoryCheck m(kOp);
   validate_task("", params.num_tokens, params.input, &params.weight, params.eps, &params.residual,
                 &params.normed_out, "normed_out", &params.quant, nullptr, v, args.tasks[0], m);
   args.model_dtype = params.input.dtype;
   m.check();
   check_context(kOp, ctx);
-  dispatch(args, v.device(), ctx);
+  *device = v.device();
+  return args;
+}
+
+}  // namespace core
+
+void rmsnorm_quant(const RmsNormQuantParams& params, const Context& ctx) {
+  Device device;
+  const core::RmsNormQuantArgs args = core::validate_rmsnorm_quant(params, ctx, &device);
+  dispatch(args, device, ctx);
 }
 
 void mla_rmsnorm_quant(const MlaRmsNormQuantParams& params, const Context& ctx) {

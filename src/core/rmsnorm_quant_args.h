@@ -11,6 +11,7 @@
 #include <cstdint>
 
 #include "mlakv/context.h"
+#include "mlakv/rmsnorm_quant.h"
 #include "mlakv/tensor.h"
 
 namespace mlakv {
@@ -45,6 +46,11 @@ struct RmsNormQuantArgs {
   int32_t num_tasks = 0;  // 1, or 2 for the dual form (task 0: q_c, task 1: kv_c)
   RmsNormQuantTask tasks[2];
 };
+
+// rmsnorm_quant's validation (src/core/rmsnorm_quant.cpp): the args its backends get and the
+// device, or mlakv::Error naming the argument. Exposed for the tests of the resolved arguments.
+RmsNormQuantArgs validate_rmsnorm_quant(const RmsNormQuantParams& params, const Context& ctx,
+                                        Device* device);
 
 }  // namespace core
 

@@ -27,6 +27,15 @@ struct Dims {
 
 }  // namespace
 
+int64_t canonical_stride(const TensorView& t, int d) {
+  if (t.shape[d] > 1) return t.stride[d];
+  if (d + 1 >= t.ndim) return 1;
+  for (int outer = d - 1; outer >= 0; --outer) {
+    if (t.shape[outer] > 1) return t.stride[outer];
+  }
+  return t.shape[d + 1] * canonical_stride(t, d + 1);
+}
+
 bool checked_mul_add(int64_t a, int64_t b, int64_t c, int64_t* out) {
   int64_t product = 0;
   if (a < 0 || b < 0 || c < 0 || __builtin_mul_overflow(a, b, &product) ||

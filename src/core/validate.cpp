@@ -272,7 +272,7 @@ IndexArg index_arg(const TensorView& t) {
   IndexArg a;
   a.data = t.data;
   a.is_int64 = t.dtype == DType::kInt64;
-  a.stride = t.stride[0];
+  a.stride = canonical_stride(t, 0);
   return a;
 }
 
@@ -339,7 +339,7 @@ RopeTableArg rope_table(Validator& v, const char* name, const TensorView& t, int
   a.data = t.data;
   a.dtype = t.dtype;
   a.max_pos = t.shape[0];
-  a.stride_pos = t.stride[0];
+  a.stride_pos = canonical_stride(t, 0);
   a.style = style;
   return a;
 }
@@ -514,17 +514,17 @@ MlaRopeCacheArgs validate_mla_rope_cache(const char* op, const MlaRopeCacheParam
     check_q_scale(v, p.q_scale, p.q_out);
 
     a.q_pe = p.q_pe.data;
-    a.stride_q_pe_token = p.q_pe.stride[0];
-    a.stride_q_pe_head = p.q_pe.stride[1];
+    a.stride_q_pe_token = canonical_stride(p.q_pe, 0);
+    a.stride_q_pe_head = canonical_stride(p.q_pe, 1);
     if (copy_nope) {
       a.ql_nope = p.ql_nope.data;
-      a.stride_ql_nope_token = p.ql_nope.stride[0];
-      a.stride_ql_nope_head = p.ql_nope.stride[1];
+      a.stride_ql_nope_token = canonical_stride(p.ql_nope, 0);
+      a.stride_ql_nope_head = canonical_stride(p.ql_nope, 1);
     }
     a.copy_nope = copy_nope;
     a.q_out = p.q_out.data;
-    a.stride_q_out_token = p.q_out.stride[0];
-    a.stride_q_out_head = p.q_out.stride[1];
+    a.stride_q_out_token = canonical_stride(p.q_out, 0);
+    a.stride_q_out_head = canonical_stride(p.q_out, 1);
     a.q_out_dtype = p.q_out.dtype;
     a.q_scale = p.q_scale;
   } else {
@@ -552,8 +552,8 @@ MlaRopeCacheArgs validate_mla_rope_cache(const char* op, const MlaRopeCacheParam
     H = p.q.shape[1];
     P = p.q.shape[2] - R;
     a.q = p.q.data;
-    a.stride_q_token = p.q.stride[0];
-    a.stride_q_head = p.q.stride[1];
+    a.stride_q_token = canonical_stride(p.q, 0);
+    a.stride_q_head = canonical_stride(p.q, 1);
     if (p.q_prefill_out.present()) {
       v.tensor("q_prefill_out", p.q_prefill_out, 3, "[T, H, P + R]");
       v.dtype("q_prefill_out", p.q_prefill_out, model, "the model dtype, from kv_c");
@@ -563,8 +563,8 @@ MlaRopeCacheArgs validate_mla_rope_cache(const char* op, const MlaRopeCacheParam
       q_in_place = exact_alias(v, "q_prefill_out", p.q_prefill_out, "q", p.q);
       if (!q_in_place) {
         a.q_prefill_out = p.q_prefill_out.data;
-        a.stride_q_prefill_out_token = p.q_prefill_out.stride[0];
-        a.stride_q_prefill_out_head = p.q_prefill_out.stride[1];
+        a.stride_q_prefill_out_token = canonical_stride(p.q_prefill_out, 0);
+        a.stride_q_prefill_out_head = canonical_stride(p.q_prefill_out, 1);
       }
     }
   } else {
@@ -582,20 +582,20 @@ MlaRopeCacheArgs validate_mla_rope_cache(const char* op, const MlaRopeCacheParam
   a.num_decode_tokens_device = p.num_decode_tokens_device;
   a.model_dtype = model;
   a.kv_c = p.kv_c.data;
-  a.stride_kv_c_token = p.kv_c.stride[0];
+  a.stride_kv_c_token = canonical_stride(p.kv_c, 0);
   a.k_pe = p.k_pe.data;
-  a.stride_k_pe_token = p.k_pe.stride[0];
+  a.stride_k_pe_token = canonical_stride(p.k_pe, 0);
   if (p.kv_norm_weight.present()) {
     a.kv_norm_weight = p.kv_norm_weight.data;
     a.kv_norm_eps = p.kv_norm_eps;
   }
   if (p.k_pe_out.present()) {
     a.k_pe_out = p.k_pe_out.data;
-    a.stride_k_pe_out_token = p.k_pe_out.stride[0];
+    a.stride_k_pe_out_token = canonical_stride(p.k_pe_out, 0);
   }
   if (p.kv_c_out.present()) {
     a.kv_c_out = p.kv_c_out.data;
-    a.stride_kv_c_out_token = p.kv_c_out.stride[0];
+    a.stride_kv_c_out_token = canonical_stride(p.kv_c_out, 0);
   }
 
   MemoryCheck m(v.op());
@@ -678,8 +678,8 @@ RotaryEmbeddingArgs validate_rotary_embedding(const char* op, const RotaryEmbedd
     v.dim("key", p.key, 2, head_size, "head_size (from query)");
     a.key = p.key.data;
     a.num_k_heads = p.key.shape[1];
-    a.stride_key_token = p.key.stride[0];
-    a.stride_key_head = p.key.stride[1];
+    a.stride_key_token = canonical_stride(p.key, 0);
+    a.stride_key_head = canonical_stride(p.key, 1);
   }
   check_context(v, ctx);
 
@@ -689,8 +689,8 @@ RotaryEmbeddingArgs validate_rotary_embedding(const char* op, const RotaryEmbedd
   a.model_dtype = model;
   a.query = p.query.data;
   a.num_q_heads = p.query.shape[1];
-  a.stride_query_token = p.query.stride[0];
-  a.stride_query_head = p.query.stride[1];
+  a.stride_query_token = canonical_stride(p.query, 0);
+  a.stride_query_head = canonical_stride(p.query, 1);
 
   // query and key are rotated in place: both outputs.
   MemoryCheck m(v.op());
@@ -727,9 +727,9 @@ ConcatAndCacheMlaArgs validate_concat_and_cache_mla(const char* op,
   a.rope_dim = R;
   a.model_dtype = model;
   a.kv_c = p.kv_c.data;
-  a.stride_kv_c_token = p.kv_c.stride[0];
+  a.stride_kv_c_token = canonical_stride(p.kv_c, 0);
   a.k_pe = p.k_pe.data;
-  a.stride_k_pe_token = p.k_pe.stride[0];
+  a.stride_k_pe_token = canonical_stride(p.k_pe, 0);
 
   MemoryCheck m(v.op());
   m.input(span_of("kv_c", p.kv_c, T));
@@ -797,14 +797,14 @@ DecodeQConcatArgs validate_decode_q_concat(const char* op, const DecodeQConcatPa
   a.rope_dim = R;
   a.model_dtype = model;
   a.ql_nope = p.ql_nope.data;
-  a.stride_ql_nope_token = p.ql_nope.stride[0];
-  a.stride_ql_nope_head = p.ql_nope.stride[1];
+  a.stride_ql_nope_token = canonical_stride(p.ql_nope, 0);
+  a.stride_ql_nope_head = canonical_stride(p.ql_nope, 1);
   a.q_pe = p.q_pe.data;
-  a.stride_q_pe_token = p.q_pe.stride[0];
-  a.stride_q_pe_head = p.q_pe.stride[1];
+  a.stride_q_pe_token = canonical_stride(p.q_pe, 0);
+  a.stride_q_pe_head = canonical_stride(p.q_pe, 1);
   a.q_out = p.q_out.data;
-  a.stride_q_out_token = p.q_out.stride[0];
-  a.stride_q_out_head = p.q_out.stride[1];
+  a.stride_q_out_token = canonical_stride(p.q_out, 0);
+  a.stride_q_out_head = canonical_stride(p.q_out, 1);
   a.q_out_dtype = p.q_out.dtype;
   a.q_scale = p.q_scale;
   *device = v.device();
@@ -845,11 +845,11 @@ RmsNormArgs validate_rms_norm(const char* op, const RmsNormParams& p, const Cont
   a.hidden = N;
   a.model_dtype = model;
   a.input = p.input.data;
-  a.stride_input_token = p.input.stride[0];
+  a.stride_input_token = canonical_stride(p.input, 0);
   a.weight = p.weight.data;
   a.eps = p.eps;
   a.output = p.output.data;
-  a.stride_output_token = p.output.stride[0];
+  a.stride_output_token = canonical_stride(p.output, 0);
   *device = v.device();
   return a;
 }
@@ -877,7 +877,7 @@ GatherCacheArgs gather_common(Validator& v, const KVCacheView& cache, const Tens
   a.num_blocks = cache.num_blocks;
   a.out = out.data;
   a.out_dtype = out.dtype;
-  a.stride_out_token = out.stride[0];
+  a.stride_out_token = canonical_stride(out, 0);
   return a;
 }
 
@@ -928,7 +928,7 @@ GatherCacheArgs validate_gather_cache_sequences(const char* op, const GatherCach
   m.check();
   a.sequences = true;
   a.block_table = static_cast<const int32_t*>(p.block_table.data);
-  a.stride_block_table_seq = p.block_table.stride[0];
+  a.stride_block_table_seq = canonical_stride(p.block_table, 0);
   a.max_blocks_per_seq = p.block_table.shape[1];
   a.cu_seq_lens = static_cast<const int32_t*>(p.cu_seq_lens.data);
   a.num_seqs = B;

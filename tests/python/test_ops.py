@@ -8,8 +8,8 @@ import torch
 import mlakv
 from mlakv import reference as ref
 
-from conftest import (CONFIGS, FP8_FORMATS, SENTINEL, assert_bytes_equal, assert_ulp_close,
-                      call_mla, config_format_params, make_mla_inputs)
+from conftest import (CONFIGS, FP8_FORMATS, SENTINEL, OpConfig, assert_bytes_equal,
+                      assert_ulp_close, call_mla, config_format_params, make_mla_inputs)
 
 TP8 = CONFIGS[1]
 MINICPM3 = CONFIGS[4]
@@ -498,6 +498,38 @@ def test_cache_of_one_block_with_any_block_stride(fmt, device):
     one = buf.as_strided((4, 1, entry), (entry, 3, 1))
     mlakv.concat_and_cache_mla(x.kv_c, x.k_pe, one, x.slot_mapping, cache_format=fmt)
     assert_bytes_equal(buf.view(1, 4, entry), packed)
+
+
+def _with_unused_strides(t: torch.Tensor, junk: int = 3) -> torch.Tensor:
+    """A copy of t whose size-1 dims have stride ``junk`` (never used for addressing)."""
+    out = torch.empty_like(t, memory_format=torch.contiguous_format)
+    strides = [junk if n == 1 else s for n, s in zip(out.shape, out.stride())]
+    return out.as_strided(out.shape, strides).copy_(t)
+
+
+@pytest.mark.parametrize("T, Td", [(1, 1), (1, 0), (4, 2)])
+def test_unused_strides_of_size_one_dims(T, Td, device):
+    """The stride of a size-1 dim is never used and may be anything: kv_c [512, 1].t() is a
+    [1, 512] tensor with strides (1, 1) (contiguous for torch), and a one-head query side may
+    have any head stride. The op takes them as they are and writes the bytes of contiguous
+    tensors (the backends get the contiguous strides: the CUDA kernels keep their 16-byte
+    path)."""
+    cfg = OpConfig("one_head", H=1, L=512, R=64, P=128)
+    x = make_mla_inputs(cfg, "bf16", T=T, Td=Td, device=device)
+    y = make_mla_inputs(cfg, "bf16", T=T, Td=Td, device=device)
+    for name in ("kv_c", "k_pe", "q_pe", "ql_nope", "q_out", "q", "k_pe_out", "kv_c_out"):
+        setattr(y, name, _with_unused_strides(getattr(y, name)))
+    if T == 1:
+        y.kv_c = torch.empty(cfg.L, 1, dtype=x.kv_c.dtype, device=device).t().copy_(x.kv_c)
+        assert y.kv_c.stride() == (1, 1) and y.kv_c.is_contiguous()
+    q_prefill_x = torch.full_like(x.q, 5.0)
+    q_prefill_y = _with_unused_strides(q_prefill_x)
+    call_mla(mlakv.mla_rope_cache, x, "bf16", q_prefill_out=q_prefill_x)
+    call_mla(mlakv.mla_rope_cache, y, "bf16", q_prefill_out=q_prefill_y)
+    for name in ("kv_cache", "q_out", "q", "k_pe_out", "kv_c_out"):
+        assert_bytes_equal(getattr(y, name), getattr(x, name))
+    assert_bytes_equal(q_prefill_y, q_prefill_x)
+    assert (x.kv_cache.view(torch.uint8) != SENTINEL).any()
 
 
 def test_gather_cache_sequences_empty_block_table(device):
