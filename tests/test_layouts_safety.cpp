@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <cstring>
 #include <random>
 #include <string>
 #include <tuple>
@@ -438,6 +439,65 @@ TEST(UnusedStrides, RmsNormQuantArgsEqualTheContiguousTensors) {
   EXPECT_EQ(got.stride_scales_token, want.stride_scales_token);
   EXPECT_EQ(got.stride_scales_group, want.stride_scales_group);
   EXPECT_EQ(want.stride_input_token, N);
+}
+
+// rmsnorm_quant writes the bytes of contiguous tensors for a one-row call whose tensors carry a
+// row stride of one element (rejected before: it is no 16-byte multiple), and for scales of one
+// group ([T, 1], N == G) taken from a wider buffer (strides (8, 2): the group dim's stride is
+// unused).
+TEST(UnusedStrides, RmsNormQuantOneRowAndOneGroupWriteTheContiguousBytes) {
+  struct Shape {
+    int64_t T, N, G;
+  };
+  for (const Shape sh : {Shape{1, 64, 32}, Shape{3, 32, 32}}) {
+    SCOPED_TRACE("T=" + std::to_string(sh.T) + " N=" + std::to_string(sh.N));
+    const int64_t groups = sh.N / sh.G;
+    // The outputs in row order (scales as [T, groups] floats), from one run.
+    auto run = [&](bool junk) {
+      std::mt19937_64 rng(62);
+      const Tensor input = random_tensor(Device{}, DType::kBFloat16, {sh.T, sh.N}, rng);
+      const Tensor weight = random_tensor(Device{}, DType::kBFloat16, {sh.N}, rng);
+      const Tensor residual = random_tensor(Device{}, DType::kBFloat16, {sh.T, sh.N}, rng);
+      const Tensor normed = poisoned_tensor(Device{}, DType::kBFloat16, {sh.T, sh.N});
+      const Tensor values = poisoned_tensor(Device{}, DType::kFloat8E4M3, {sh.T, sh.N});
+      const Tensor scales =
+          junk && groups == 1
+              ? poisoned(new_strided_tensor(Device{}, DType::kFloat32, 8 * sh.T, {sh.T, 1}, {8, 2}))
+              : poisoned_tensor(Device{}, DType::kFloat32, {sh.T, groups});
+      RmsNormQuantParams p;
+      p.num_tokens = sh.T;
+      p.input = input.device_view();
+      p.weight = weight.device_view();
+      p.residual = residual.device_view();
+      p.normed_out = normed.device_view();
+      p.quant.values = values.device_view();
+      p.quant.scales = scales.device_view();
+      p.quant.group_size = sh.G;
+      if (junk) {
+        for (TensorView* t : {&p.input, &p.residual, &p.normed_out, &p.quant.values}) {
+          *t = with_unused_strides(*t, 1);
+        }
+      }
+      rmsnorm_quant(p);
+      std::vector<float> scale_values;
+      const std::vector<uint8_t> scale_bytes = scales.buffer->download();
+      for (int64_t t = 0; t < sh.T; ++t) {
+        for (int64_t g = 0; g < groups; ++g) {
+          float v = 0.0f;
+          std::memcpy(&v, scale_bytes.data() + scales.byte_offset({t, g}), sizeof(v));
+          scale_values.push_back(v);
+        }
+      }
+      return std::make_tuple(residual.buffer->download(), normed.buffer->download(),
+                             values.buffer->download(), scale_values);
+    };
+    const auto want = run(false);
+    const auto got = run(true);
+    EXPECT_EQ(std::get<0>(got), std::get<0>(want)) << "residual";
+    EXPECT_EQ(std::get<1>(got), std::get<1>(want)) << "normed_out";
+    EXPECT_EQ(std::get<2>(got), std::get<2>(want)) << "quant.values";
+    EXPECT_EQ(std::get<3>(got), std::get<3>(want)) << "quant.scales";
+  }
 }
 
 TEST(UnusedStrides, GatherArgsEqualTheContiguousTensors) {

@@ -241,6 +241,36 @@ TEST(SpansCheckedMulAdd, BoundsAndOverflow) {
                                      std::numeric_limits<int64_t>::max(), &out));
 }
 
+// ---- canonical_stride ---------------------------------------------------------------------------
+
+TEST(SpansCanonicalStride, SizeOneDims) {
+  const DType bf16 = DType::kBFloat16;
+  // Dims of size > 1 keep their stride; a contiguous view's strides are its own.
+  const TensorView c = view(g_buf, bf16, {2, 1, 1, 4}, {4, 4, 4, 1});
+  for (int d = 0; d < c.ndim; ++d) EXPECT_EQ(core::canonical_stride(c, d), c.stride[d]) << d;
+  // A size-1 dim under an outer dim of size > 1 takes that dim's stride ([T, 1, D] slices of a
+  // wider buffer stay one run); without one, the contiguous stride over its inner dims.
+  const TensorView slice = view(g_buf, bf16, {5, 1, 64}, {576, 7, 1});
+  EXPECT_EQ(core::canonical_stride(slice, 1), 576);
+  const TensorView one_token = view(g_buf, bf16, {1, 8, 64}, {3, 96, 1});
+  EXPECT_EQ(core::canonical_stride(one_token, 0), 8 * 96);
+  const TensorView transposed = view(g_buf, bf16, {1, 512}, {1, 1});  // torch [512, 1].t()
+  EXPECT_EQ(core::canonical_stride(transposed, 0), 512);
+  const TensorView single = view(g_buf, bf16, {1, 1, 1}, {5, 9, 3});
+  EXPECT_EQ(core::canonical_stride(single, 2), 1);
+  EXPECT_EQ(core::canonical_stride(single, 1), 1);
+  EXPECT_EQ(core::canonical_stride(single, 0), 1);
+}
+
+TEST(SpansCanonicalStride, EmptyViewsDoNotOverflow) {
+  // An empty view's sizes and strides are bounded one by one (extent_bytes), not their products:
+  // the contiguous stride over [2^20 + 1] rows of stride 2^50 does not fit in 64 bits. Any stride
+  // serves a view that addresses nothing; the product must not be computed in signed arithmetic.
+  const int64_t rows = (int64_t{1} << 20) + 1;
+  const TensorView t = view(nullptr, DType::kBFloat16, {0, rows, 576}, {1, int64_t{1} << 50, 1});
+  EXPECT_EQ(core::canonical_stride(t, 0), 0);
+}
+
 // ---- extent_bytes -------------------------------------------------------------------------------
 
 TEST(SpansExtentBytes, SizeAndStrideBounds) {

@@ -241,8 +241,11 @@ void validate_task(const std::string& prefix, int64_t num_tokens, const TensorVi
   }
   v.check_extent(sn, s);
   const int64_t rows = s.shape[0];
-  const bool row_major = s.stride[1] == 1 && (s.stride[0] >= num_groups || rows <= 1);
-  const bool col_major = s.stride[0] == 1 && (s.stride[1] >= rows || num_groups == 1);
+  // The stride of a size-1 dim (one row, or one group: N == G) takes part in neither test.
+  const bool row_major =
+      (s.stride[1] == 1 || num_groups <= 1) && (s.stride[0] >= num_groups || rows <= 1);
+  const bool col_major =
+      (s.stride[0] == 1 || rows <= 1) && (s.stride[1] >= rows || num_groups <= 1);
   if (!row_major && !col_major) {
     v.fail(sn, "expected row-major strides [>=" + std::to_string(num_groups) +
                    ", 1] or column-major strides [1, >=" + std::to_string(rows) +

@@ -33,7 +33,11 @@ int64_t canonical_stride(const TensorView& t, int d) {
   for (int outer = d - 1; outer >= 0; --outer) {
     if (t.shape[outer] > 1) return t.stride[outer];
   }
-  return t.shape[d + 1] * canonical_stride(t, d + 1);
+  // Only an empty view can overflow here (a non-empty one spans less than 2^56 bytes); it
+  // addresses nothing, so any stride does.
+  int64_t stride = 0;
+  if (__builtin_mul_overflow(t.shape[d + 1], canonical_stride(t, d + 1), &stride)) return 0;
+  return stride;
 }
 
 bool checked_mul_add(int64_t a, int64_t b, int64_t c, int64_t* out) {
