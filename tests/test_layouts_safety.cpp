@@ -406,24 +406,37 @@ TEST(UnusedStrides, TransposedKvCGetsTheRowStride) {
   EXPECT_EQ(fused_args(p).stride_kv_c_token, 512);
 }
 
-TEST(UnusedStrides, RmsNormQuantArgsEqualTheContiguousTensors) {
-  constexpr int64_t N = 64, G = 32;
-  std::mt19937_64 rng(61);
-  const Tensor input = random_tensor(Device{}, DType::kBFloat16, {1, N}, rng);
-  const Tensor weight = random_tensor(Device{}, DType::kBFloat16, {N}, rng);
-  const Tensor residual = random_tensor(Device{}, DType::kBFloat16, {1, N}, rng);
-  const Tensor normed = poisoned_tensor(Device{}, DType::kBFloat16, {1, N});
-  const Tensor values = poisoned_tensor(Device{}, DType::kFloat8E4M3, {1, N});
-  const Tensor scales = poisoned_tensor(Device{}, DType::kFloat32, {1, N / G});
+// An rmsnorm_quant call on the CPU with every option: T rows of N bf16, groups of G; input, weight
+// and residual random from `seed`, the outputs poisoned; `scales` as given, or [T, N / G]
+// contiguous.
+struct RmsqCall {
+  Tensor input, weight, residual, normed, values, scales;
   RmsNormQuantParams p;
-  p.num_tokens = 1;
-  p.input = input.device_view();
-  p.weight = weight.device_view();
-  p.residual = residual.device_view();
-  p.normed_out = normed.device_view();
-  p.quant.values = values.device_view();
-  p.quant.scales = scales.device_view();
-  p.quant.group_size = G;
+
+  RmsqCall(int64_t T, int64_t N, int64_t G, uint64_t seed, Tensor scales_view = {}) {
+    std::mt19937_64 rng(seed);
+    input = random_tensor(Device{}, DType::kBFloat16, {T, N}, rng);
+    weight = random_tensor(Device{}, DType::kBFloat16, {N}, rng);
+    residual = random_tensor(Device{}, DType::kBFloat16, {T, N}, rng);
+    normed = poisoned_tensor(Device{}, DType::kBFloat16, {T, N});
+    values = poisoned_tensor(Device{}, DType::kFloat8E4M3, {T, N});
+    scales = scales_view.present() ? scales_view
+                                   : poisoned_tensor(Device{}, DType::kFloat32, {T, N / G});
+    p.num_tokens = T;
+    p.input = input.device_view();
+    p.weight = weight.device_view();
+    p.residual = residual.device_view();
+    p.normed_out = normed.device_view();
+    p.quant.values = values.device_view();
+    p.quant.scales = scales.device_view();
+    p.quant.group_size = G;
+  }
+};
+
+TEST(UnusedStrides, RmsNormQuantArgsEqualTheContiguousTensors) {
+  constexpr int64_t N = 64;
+  RmsqCall call(1, N, 32, 61);
+  RmsNormQuantParams& p = call.p;
   Device device;
   const core::RmsNormQuantTask want = core::validate_rmsnorm_quant(p, Context{}, &device).tasks[0];
   // A row stride of one element: no 16-byte multiple, which a single row may have.
@@ -454,25 +467,11 @@ TEST(UnusedStrides, RmsNormQuantOneRowAndOneGroupWriteTheContiguousBytes) {
     const int64_t groups = sh.N / sh.G;
     // The outputs in row order (scales as [T, groups] floats), from one run.
     auto run = [&](bool junk) {
-      std::mt19937_64 rng(62);
-      const Tensor input = random_tensor(Device{}, DType::kBFloat16, {sh.T, sh.N}, rng);
-      const Tensor weight = random_tensor(Device{}, DType::kBFloat16, {sh.N}, rng);
-      const Tensor residual = random_tensor(Device{}, DType::kBFloat16, {sh.T, sh.N}, rng);
-      const Tensor normed = poisoned_tensor(Device{}, DType::kBFloat16, {sh.T, sh.N});
-      const Tensor values = poisoned_tensor(Device{}, DType::kFloat8E4M3, {sh.T, sh.N});
-      const Tensor scales =
-          junk && groups == 1
-              ? poisoned(new_strided_tensor(Device{}, DType::kFloat32, 8 * sh.T, {sh.T, 1}, {8, 2}))
-              : poisoned_tensor(Device{}, DType::kFloat32, {sh.T, groups});
-      RmsNormQuantParams p;
-      p.num_tokens = sh.T;
-      p.input = input.device_view();
-      p.weight = weight.device_view();
-      p.residual = residual.device_view();
-      p.normed_out = normed.device_view();
-      p.quant.values = values.device_view();
-      p.quant.scales = scales.device_view();
-      p.quant.group_size = sh.G;
+      RmsqCall call(sh.T, sh.N, sh.G, 62,
+                    junk && groups == 1 ? poisoned(new_strided_tensor(Device{}, DType::kFloat32,
+                                                                      8 * sh.T, {sh.T, 1}, {8, 2}))
+                                        : Tensor{});
+      RmsNormQuantParams& p = call.p;
       if (junk) {
         for (TensorView* t : {&p.input, &p.residual, &p.normed_out, &p.quant.values}) {
           *t = with_unused_strides(*t, 1);
@@ -480,16 +479,16 @@ TEST(UnusedStrides, RmsNormQuantOneRowAndOneGroupWriteTheContiguousBytes) {
       }
       rmsnorm_quant(p);
       std::vector<float> scale_values;
-      const std::vector<uint8_t> scale_bytes = scales.buffer->download();
+      const std::vector<uint8_t> scale_bytes = call.scales.buffer->download();
       for (int64_t t = 0; t < sh.T; ++t) {
         for (int64_t g = 0; g < groups; ++g) {
           float v = 0.0f;
-          std::memcpy(&v, scale_bytes.data() + scales.byte_offset({t, g}), sizeof(v));
+          std::memcpy(&v, scale_bytes.data() + call.scales.byte_offset({t, g}), sizeof(v));
           scale_values.push_back(v);
         }
       }
-      return std::make_tuple(residual.buffer->download(), normed.buffer->download(),
-                             values.buffer->download(), scale_values);
+      return std::make_tuple(call.residual.buffer->download(), call.normed.buffer->download(),
+                             call.values.buffer->download(), scale_values);
     };
     const auto want = run(false);
     const auto got = run(true);
