@@ -260,6 +260,12 @@ TEST(SpansCanonicalStride, SizeOneDims) {
   EXPECT_EQ(core::canonical_stride(single, 2), 1);
   EXPECT_EQ(core::canonical_stride(single, 1), 1);
   EXPECT_EQ(core::canonical_stride(single, 0), 1);
+  // The nearest outer dim of size > 1, not the outermost one, and past outer dims of size 1.
+  const TensorView nested = view(g_buf, bf16, {3, 2, 1, 8}, {40, 16, 7, 1});
+  EXPECT_EQ(core::canonical_stride(nested, 2), 16);
+  const TensorView skip = view(g_buf, bf16, {3, 1, 1, 8}, {40, 5, 7, 1});
+  EXPECT_EQ(core::canonical_stride(skip, 2), 40);
+  EXPECT_EQ(core::canonical_stride(skip, 1), 40);
 }
 
 TEST(SpansCanonicalStride, EmptyViewsDoNotOverflow) {

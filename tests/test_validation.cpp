@@ -452,6 +452,13 @@ TEST_F(MlaValidation, ScaleOnBf16Cache) {
   reject(p_, "kv_cache");
 }
 
+// fp8_ds_mla keeps a scale per tile in each entry: it takes no per-tensor scale either.
+TEST_F(MlaValidation, ScaleOnDsMlaCache) {
+  mlakv::MlaRopeCacheParams p = ds_mla_k_side_only();
+  p.kv_cache.scale = scale_;
+  reject(p, "kv_cache: a scale is taken by the per-tensor fp8 formats only");
+}
+
 TEST_F(MlaValidation, Pow2ScaleOnBf16Cache) {
   p_.kv_cache.ds_mla_pow2_scale = true;
   reject(p_, "kv_cache");
@@ -1301,6 +1308,41 @@ TEST(Validation, CacheFormatNamesRoundTrip) {
   EXPECT_THROW(mlakv::cache_entry_bytes(CacheFormat::kFloat8DsMla, 256, 64), mlakv::Error);
 }
 
+// Each cache format's element types and scale kind (the kernels dispatch on the format itself, so
+// a wrong dtype of the same size shows only here and in the Python and torch wrappers), and the
+// names of the small enums, unknown values included.
+TEST(Validation, CacheFormatDtypesAndEnumNames) {
+  struct Case {
+    CacheFormat format;
+    DType latent, rope;
+    bool per_tensor_fp8;
+  };
+  const Case cases[] = {
+      {CacheFormat::kBFloat16, DType::kBFloat16, DType::kBFloat16, false},
+      {CacheFormat::kFloat16, DType::kFloat16, DType::kFloat16, false},
+      {CacheFormat::kFloat32, DType::kFloat32, DType::kFloat32, false},
+      {CacheFormat::kFloat8E4M3, DType::kFloat8E4M3, DType::kFloat8E4M3, true},
+      {CacheFormat::kFloat8E5M2, DType::kFloat8E5M2, DType::kFloat8E5M2, true},
+      {CacheFormat::kFloat8DsMla, DType::kFloat8E4M3, DType::kBFloat16, false},
+  };
+  for (const Case& c : cases) {
+    const std::string name = mlakv::cache_format_name(c.format);
+    EXPECT_EQ(mlakv::cache_latent_dtype(c.format), c.latent) << name;
+    EXPECT_EQ(mlakv::cache_rope_dtype(c.format), c.rope) << name;
+    EXPECT_EQ(mlakv::cache_is_per_tensor_fp8(c.format), c.per_tensor_fp8) << name;
+  }
+  EXPECT_STREQ(mlakv::cache_format_name(static_cast<CacheFormat>(42)), "unknown_cache_format");
+  EXPECT_STREQ(mlakv::rope_style_name(mlakv::RopeStyle::kGptJ), "gptj");
+  EXPECT_STREQ(mlakv::rope_style_name(mlakv::RopeStyle::kNeox), "neox");
+  EXPECT_STREQ(mlakv::rope_style_name(static_cast<mlakv::RopeStyle>(7)), "unknown_rope_style");
+  EXPECT_STREQ(mlakv::error_counter_name(mlakv::kBadSlot), "bad_slot");
+  EXPECT_STREQ(mlakv::error_counter_name(mlakv::kBadPosition), "bad_position");
+  EXPECT_STREQ(mlakv::error_counter_name(mlakv::kBadDecodeCount), "bad_decode_count");
+  EXPECT_STREQ(mlakv::error_counter_name(mlakv::kBadBlockIndex), "bad_block_index");
+  EXPECT_STREQ(mlakv::error_counter_name(mlakv::kNumErrorCounters), "unknown_counter");
+  EXPECT_STREQ(mlakv::error_counter_name(-1), "unknown_counter");
+}
+
 TEST(Validation, ErrorWhatIsBasenameLineMessage) {
   try {
     MLAKV_FAIL("some_arg: expected ", 1, ", got ", 2);
@@ -1524,6 +1566,31 @@ TEST(Validation, CacheViewHelpers) {
   EXPECT_THROW(mlakv::cache_entry_bytes(CacheFormat::kBFloat16, INT64_MAX, 1), mlakv::Error);
   EXPECT_THROW(mlakv::cache_entry_bytes(CacheFormat::kBFloat16, 1, INT64_MAX), mlakv::Error);
   EXPECT_THROW(mlakv::cache_entry_bytes(CacheFormat::kFloat8E4M3, -1, 64), mlakv::Error);
+  EXPECT_THROW(mlakv::cache_entry_bytes(CacheFormat::kBFloat16, 512, -1), mlakv::Error);
+  // fp8_ds_mla's fixed entry needs both L = 512 and R = 64, and has only the combined layout.
+  EXPECT_THROW(mlakv::cache_entry_bytes(CacheFormat::kFloat8DsMla, 512, 32), mlakv::Error);
+  EXPECT_THROW(
+      mlakv::make_split_cache_view(dummy, dummy + 2, CacheFormat::kFloat8DsMla, 3, 16, 512, 64),
+      mlakv::Error);
+
+  // The whole cache below 2^56 bytes, where the slot count and one block's bytes are far below:
+  // 2^44 slots of 1152 bytes pass, 2^49 do not.
+  EXPECT_EQ(mlakv::cache_bytes(CacheFormat::kBFloat16, int64_t{1} << 40, 16, 512, 64),
+            (int64_t{1} << 44) * 1152);
+  EXPECT_THROW(mlakv::cache_bytes(CacheFormat::kBFloat16, int64_t{1} << 45, 16, 512, 64),
+               mlakv::Error);
+  EXPECT_THROW(mlakv::make_cache_view(dummy, CacheFormat::kBFloat16, int64_t{1} << 45, 16, 512, 64),
+               mlakv::Error);
+
+  // A negative block count is named as such, not as a cache too large.
+  const std::function<void()> negative_blocks[] = {
+      [&] { mlakv::make_cache_view(dummy, CacheFormat::kBFloat16, -1, 16, 512, 64); },
+      [&] { mlakv::make_split_cache_view(dummy, dummy, CacheFormat::kBFloat16, -1, 16, 512, 64); },
+      [&] { mlakv::cache_bytes(CacheFormat::kBFloat16, -1, 16, 512, 64); },
+  };
+  for (const auto& fn : negative_blocks) {
+    expect_rejected(Arena{}, fn, "expected num_blocks >= 0");
+  }
 }
 
 TEST(Validation, ErrorCountsArguments) {
@@ -1559,6 +1626,21 @@ TEST(Validation, CudaMemoryWithoutBackend) {
   if (mlakv::cuda_backend_built()) GTEST_SKIP() << "CUDA backend built";
   EXPECT_THROW(mlakv::device_alloc({mlakv::DeviceType::kCUDA, 0}, 16), mlakv::Error);
   EXPECT_EQ(mlakv::cuda_device_count(), 0);
+  EXPECT_THROW(mlakv::cuda_device_description(0), mlakv::Error);
+}
+
+// The facts `mlakv info` and the bench's JSON report: the version CMake gives the library, first
+// in build_info(), and whether the CUDA backend was built.
+TEST(Validation, BuildInfo) {
+  const std::string version = mlakv::version();
+  EXPECT_FALSE(version.empty());
+  EXPECT_NE(version, "unknown");
+  const std::string info = mlakv::build_info();
+  EXPECT_EQ(info.rfind("mlakv " + version + "\n", 0), 0u) << info;
+  const bool on = info.find("CUDA backend: on") != std::string::npos;
+  const bool off = info.find("CUDA backend: off") != std::string::npos;
+  EXPECT_EQ(on, mlakv::cuda_backend_built()) << info;
+  EXPECT_EQ(off, !mlakv::cuda_backend_built()) << info;
 }
 
 // The CUDA backend's launch limits (docs/decisions.md, "One fused launch's size"): 2^30 copied
