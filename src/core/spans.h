@@ -40,13 +40,14 @@ bool extent_bytes(const TensorView& t, int64_t* bytes);
 // The stride of dim d that validators hand the backends. A dim of size 0 or 1 is never used for
 // addressing, so its stride may be anything (as in PyTorch: torch.empty(512, 1).t() has strides
 // (1, 1)); a backend that tests every stride it gets (16-byte alignment, rows laid out as one
-// run) must not see that value. Such a dim gets the stride it would have if it were merged into
-// the nearest outer dim of size > 1 (that dim's stride: [T, 1, D] keeps stride_token ==
-// stride_head, so a one-run layout stays one), or, without one, the contiguous stride over its
-// inner dims (shape[d + 1] * the canonical stride of d + 1; 1 for the innermost dim). For a
-// non-empty contiguous view (make_view's strides) this is its own stride, so a junk size-1 stride
-// gives the backend exactly the arguments of the contiguous tensor. Dims of size > 1 keep theirs.
-// Error messages and the alias/overlap checks use the caller's strides, not these.
+// run) must not see that value. An innermost such dim gets 1. Any other gets the stride it would
+// have if it were merged into the nearest outer dim of size > 1 (that dim's stride: [T, 1, D]
+// keeps stride_token == stride_head, so a one-run layout stays one), or, without one, the
+// contiguous stride over its inner dims (shape[d + 1] * the canonical stride of d + 1; 0 for an
+// empty view whose product passes 64 bits). For a non-empty contiguous view (make_view's
+// strides) this is its own stride, so a junk size-1 stride gives the backend exactly the
+// arguments of the contiguous tensor. Dims of size > 1 keep theirs. Error messages and the
+// alias/overlap checks use the caller's strides, not these.
 int64_t canonical_stride(const TensorView& t, int d);
 
 // a * b + c for non-negative operands, false when the result reaches kMaxExtentBytes.
