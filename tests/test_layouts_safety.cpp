@@ -4,13 +4,10 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
-#include <cstring>
-#include <random>
 #include <string>
 #include <tuple>
 #include <vector>
 
-#include "core/rmsnorm_quant_args.h"
 #include "core/validate.h"
 #include "fused_problem.h"
 
@@ -404,99 +401,6 @@ TEST(UnusedStrides, TransposedKvCGetsTheRowStride) {
   MlaRopeCacheParams p = problem.params(false);
   p.kv_c = make_strided_view(p.kv_c.data, DType::kBFloat16, {1, 512}, {1, 1});
   EXPECT_EQ(fused_args(p).stride_kv_c_token, 512);
-}
-
-// An rmsnorm_quant call on the CPU with every option: T rows of N bf16, groups of G; input, weight
-// and residual random from `seed`, the outputs poisoned; `scales` as given, or [T, N / G]
-// contiguous.
-struct RmsqCall {
-  Tensor input, weight, residual, normed, values, scales;
-  RmsNormQuantParams p;
-
-  RmsqCall(int64_t T, int64_t N, int64_t G, uint64_t seed, Tensor scales_view = {}) {
-    std::mt19937_64 rng(seed);
-    input = random_tensor(Device{}, DType::kBFloat16, {T, N}, rng);
-    weight = random_tensor(Device{}, DType::kBFloat16, {N}, rng);
-    residual = random_tensor(Device{}, DType::kBFloat16, {T, N}, rng);
-    normed = poisoned_tensor(Device{}, DType::kBFloat16, {T, N});
-    values = poisoned_tensor(Device{}, DType::kFloat8E4M3, {T, N});
-    scales = scales_view.present() ? scales_view
-                                   : poisoned_tensor(Device{}, DType::kFloat32, {T, N / G});
-    p.num_tokens = T;
-    p.input = input.device_view();
-    p.weight = weight.device_view();
-    p.residual = residual.device_view();
-    p.normed_out = normed.device_view();
-    p.quant.values = values.device_view();
-    p.quant.scales = scales.device_view();
-    p.quant.group_size = G;
-  }
-};
-
-TEST(UnusedStrides, RmsNormQuantArgsEqualTheContiguousTensors) {
-  constexpr int64_t N = 64;
-  RmsqCall call(1, N, 32, 61);
-  RmsNormQuantParams& p = call.p;
-  Device device;
-  const core::RmsNormQuantTask want = core::validate_rmsnorm_quant(p, Context{}, &device).tasks[0];
-  // A row stride of one element: no 16-byte multiple, which a single row may have.
-  constexpr int64_t kJunk = 1;
-  for (TensorView* t : {&p.input, &p.residual, &p.normed_out, &p.quant.values, &p.quant.scales}) {
-    *t = with_unused_strides(*t, kJunk);
-  }
-  const core::RmsNormQuantTask got = core::validate_rmsnorm_quant(p, Context{}, &device).tasks[0];
-  EXPECT_EQ(got.stride_input_token, want.stride_input_token);
-  EXPECT_EQ(got.stride_residual_token, want.stride_residual_token);
-  EXPECT_EQ(got.stride_normed_out_token, want.stride_normed_out_token);
-  EXPECT_EQ(got.stride_quant_values_token, want.stride_quant_values_token);
-  EXPECT_EQ(got.stride_scales_token, want.stride_scales_token);
-  EXPECT_EQ(got.stride_scales_group, want.stride_scales_group);
-  EXPECT_EQ(want.stride_input_token, N);
-}
-
-// rmsnorm_quant writes the bytes of contiguous tensors for a one-row call whose tensors carry a
-// row stride of one element (rejected before: it is no 16-byte multiple), and for scales of one
-// group ([T, 1], N == G) taken from a wider buffer (strides (8, 2): the group dim's stride is
-// unused).
-TEST(UnusedStrides, RmsNormQuantOneRowAndOneGroupWriteTheContiguousBytes) {
-  struct Shape {
-    int64_t T, N, G;
-  };
-  for (const Shape sh : {Shape{1, 64, 32}, Shape{3, 32, 32}}) {
-    SCOPED_TRACE("T=" + std::to_string(sh.T) + " N=" + std::to_string(sh.N));
-    const int64_t groups = sh.N / sh.G;
-    // The outputs in row order (scales as [T, groups] floats), from one run.
-    auto run = [&](bool junk) {
-      RmsqCall call(sh.T, sh.N, sh.G, 62,
-                    junk && groups == 1 ? poisoned(new_strided_tensor(Device{}, DType::kFloat32,
-                                                                      8 * sh.T, {sh.T, 1}, {8, 2}))
-                                        : Tensor{});
-      RmsNormQuantParams& p = call.p;
-      if (junk) {
-        for (TensorView* t : {&p.input, &p.residual, &p.normed_out, &p.quant.values}) {
-          *t = with_unused_strides(*t, 1);
-        }
-      }
-      rmsnorm_quant(p);
-      std::vector<float> scale_values;
-      const std::vector<uint8_t> scale_bytes = call.scales.buffer->download();
-      for (int64_t t = 0; t < sh.T; ++t) {
-        for (int64_t g = 0; g < groups; ++g) {
-          float v = 0.0f;
-          std::memcpy(&v, scale_bytes.data() + call.scales.byte_offset({t, g}), sizeof(v));
-          scale_values.push_back(v);
-        }
-      }
-      return std::make_tuple(call.residual.buffer->download(), call.normed.buffer->download(),
-                             call.values.buffer->download(), scale_values);
-    };
-    const auto want = run(false);
-    const auto got = run(true);
-    EXPECT_EQ(std::get<0>(got), std::get<0>(want)) << "residual";
-    EXPECT_EQ(std::get<1>(got), std::get<1>(want)) << "normed_out";
-    EXPECT_EQ(std::get<2>(got), std::get<2>(want)) << "quant.values";
-    EXPECT_EQ(std::get<3>(got), std::get<3>(want)) << "quant.scales";
-  }
 }
 
 TEST(UnusedStrides, GatherArgsEqualTheContiguousTensors) {

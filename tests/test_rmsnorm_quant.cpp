@@ -19,8 +19,10 @@
 #include <functional>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
+#include "core/rmsnorm_quant_args.h"
 #include "harness.h"
 #include "mlakv/mlakv.h"
 #include "mlakv/rmsnorm_quant.h"
@@ -1364,6 +1366,89 @@ TEST_P(RmsNormQuantTest, DualBadArgumentsWriteNothing) {
   expect_error([&] { per_token_group_quant_fp8(pq); }, "input", "quant input dtype");
   EXPECT_TRUE(buffer_unchanged(*q.values.buffer, "per_token_group_quant_fp8 values"));
   EXPECT_TRUE(buffer_unchanged(*q.scales.buffer, "per_token_group_quant_fp8 scales"));
+}
+
+// ---- strides of size-1 dims ---------------------------------------------------------------------
+// A one-row tensor's row stride and a one-group scales tensor's group stride are never used (docs/
+// decisions.md, "Strides and sizes"): validation hands the backends the canonical stride
+// (core::canonical_stride), and a junk one there is accepted and writes the contiguous bytes.
+
+// T rows of N bf16 in groups of G with a residual and a separate normed_out, no graph rows (so
+// that a one-row call's tensors have one row).
+Case one_row_case(int64_t T, int64_t N, int64_t G) {
+  Case c = make_case("unused strides", DType::kBFloat16, N, T);
+  c.group_size = G;
+  c.residual = true;
+  c.normed = Case::kSeparate;
+  c.extra_rows = 0;
+  return c;
+}
+
+TEST(RmsNormQuantUnusedStrides, ArgsEqualTheContiguousTensors) {
+  const Case c = one_row_case(1, 64, 32);
+  std::mt19937_64 rng(61);
+  const Job j = make_job(Device{}, c, rng, true, true);
+  upload(j);
+  RmsNormQuantParams p = job_params(j, c);
+  Device device;
+  const core::RmsNormQuantTask want = core::validate_rmsnorm_quant(p, Context{}, &device).tasks[0];
+  // A row stride of one element: no 16-byte multiple, which a single row may have.
+  constexpr int64_t kJunk = 1;
+  for (TensorView* t : {&p.input, &p.residual, &p.normed_out, &p.quant.values, &p.quant.scales}) {
+    *t = with_unused_strides(*t, kJunk);
+  }
+  const core::RmsNormQuantTask got = core::validate_rmsnorm_quant(p, Context{}, &device).tasks[0];
+  EXPECT_EQ(got.stride_input_token, want.stride_input_token);
+  EXPECT_EQ(got.stride_residual_token, want.stride_residual_token);
+  EXPECT_EQ(got.stride_normed_out_token, want.stride_normed_out_token);
+  EXPECT_EQ(got.stride_quant_values_token, want.stride_quant_values_token);
+  EXPECT_EQ(got.stride_scales_token, want.stride_scales_token);
+  EXPECT_EQ(got.stride_scales_group, want.stride_scales_group);
+  EXPECT_EQ(want.stride_input_token, c.N);
+}
+
+// The bytes of contiguous tensors for a one-row call whose tensors carry a row stride of one
+// element (rejected before: it is no 16-byte multiple), and for scales of one group ([T, 1],
+// N == G) taken from a wider buffer (strides (8, 2): the group dim's stride is unused).
+TEST(RmsNormQuantUnusedStrides, OneRowAndOneGroupWriteTheContiguousBytes) {
+  for (const Case& c : {one_row_case(1, 64, 32), one_row_case(3, 32, 32)}) {
+    SCOPED_TRACE(case_label(c));
+    const int64_t groups = c.N / c.group_size;
+    // The outputs in row order (scales as [T, groups] floats), from one run.
+    auto run = [&](bool junk) {
+      std::mt19937_64 rng(62);
+      Job j = make_job(Device{}, c, rng, true, true);
+      if (junk && groups == 1) {
+        j.scales = new_strided_tensor(Device{}, DType::kFloat32, 8 * c.T, {c.T, 1}, {8, 2});
+        fill_bytes(*j.scales.buffer, kPoisonByte);
+      }
+      upload(j);
+      RmsNormQuantParams p = job_params(j, c);
+      if (junk) {
+        for (TensorView* t : {&p.input, &p.residual, &p.normed_out, &p.quant.values}) {
+          *t = with_unused_strides(*t, 1);
+        }
+      }
+      rmsnorm_quant(p);
+      std::vector<float> scale_values;
+      const std::vector<uint8_t> scale_bytes = j.scales.buffer->download();
+      for (int64_t t = 0; t < c.T; ++t) {
+        for (int64_t g = 0; g < groups; ++g) {
+          float v = 0.0f;
+          std::memcpy(&v, scale_bytes.data() + j.scales.byte_offset({t, g}), sizeof(v));
+          scale_values.push_back(v);
+        }
+      }
+      return std::make_tuple(j.residual.buffer->download(), j.normed_out.buffer->download(),
+                             j.values.buffer->download(), scale_values);
+    };
+    const auto want = run(false);
+    const auto got = run(true);
+    EXPECT_EQ(std::get<0>(got), std::get<0>(want)) << "residual";
+    EXPECT_EQ(std::get<1>(got), std::get<1>(want)) << "normed_out";
+    EXPECT_EQ(std::get<2>(got), std::get<2>(want)) << "quant.values";
+    EXPECT_EQ(std::get<3>(got), std::get<3>(want)) << "quant.scales";
+  }
 }
 
 TEST(RmsNormQuantHelpers, ColumnMajorScalesView) {
