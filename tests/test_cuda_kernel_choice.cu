@@ -229,6 +229,14 @@ std::vector<std::string> fused_arguments(const std::string& name) {
   return args;
 }
 
+// `names` (one launch's kernels) is the fused kernel alone, in its 16-byte instance (kVec).
+void expect_fused_vector_instance(const std::vector<std::string>& names) {
+  ASSERT_EQ(names.size(), 1u) << "expected one kernel, the fused one";
+  const std::vector<std::string> args = fused_arguments(names[0]);
+  ASSERT_EQ(args.size(), 6u) << names[0];
+  EXPECT_EQ(args[3], "true") << names[0];
+}
+
 // The stride of a size-1 cache dim is never used, and validation hands the backend 0 for it: a
 // caller's junk value there (here 7 bytes, which no 16-byte access could take) leaves the launch
 // on the 16-byte path, as a packed stride does.
@@ -246,10 +254,7 @@ TEST_F(CudaFusedKernelChoice, UnusedCacheStrideKeepsTheVectorPath) {
       SCOPED_TRACE("unused stride " + std::to_string(junk));
       spec.cache.unused_stride_bytes = junk;
       const std::vector<std::string> names = kernels_of(spec);
-      ASSERT_EQ(names.size(), 1u) << "expected one kernel, the fused one";
-      const std::vector<std::string> args = fused_arguments(names[0]);
-      ASSERT_EQ(args.size(), 6u) << names[0];
-      EXPECT_EQ(args[3], "true") << names[0];
+      ASSERT_NO_FATAL_FAILURE(expect_fused_vector_instance(names));
     }
   }
 }
@@ -279,10 +284,7 @@ TEST_F(CudaFusedKernelChoice, UnusedTensorStridesKeepTheVectorPath) {
           junk != 0 ? with_unused_strides(problem.params(false), junk) : problem.params(false);
       const std::vector<std::string> names =
           kernels_of([&](const Context& ctx) { mla_rope_cache(p, ctx); });
-      ASSERT_EQ(names.size(), 1u) << "expected one kernel, the fused one";
-      const std::vector<std::string> args = fused_arguments(names[0]);
-      ASSERT_EQ(args.size(), 6u) << names[0];
-      EXPECT_EQ(args[3], "true") << names[0];
+      ASSERT_NO_FATAL_FAILURE(expect_fused_vector_instance(names));
     }
   }
 }
