@@ -1591,6 +1591,25 @@ TEST(Validation, CacheViewHelpers) {
   for (const auto& fn : negative_blocks) {
     expect_rejected(Arena{}, fn, "expected num_blocks >= 0");
   }
+
+  // A bad L or R is reported under the name of the function called, not of a helper.
+  const std::pair<const char*, std::function<void()>> bad_dims[] = {
+      {"make_cache_view: expected L >= 0",
+       [&] { mlakv::make_cache_view(dummy, CacheFormat::kBFloat16, 2, 16, -1, 64); }},
+      {"make_split_cache_view: expected L >= 0",
+       [&] { mlakv::make_split_cache_view(dummy, dummy, CacheFormat::kBFloat16, 2, 16, 512, -1); }},
+      {"cache_bytes: expected L >= 0",
+       [&] { mlakv::cache_bytes(CacheFormat::kBFloat16, 2, 16, -1, 64); }},
+      {"cache_entry_bytes: expected L >= 0",
+       [&] { mlakv::cache_entry_bytes(CacheFormat::kBFloat16, 512, -1); }},
+      {"make_cache_view: fp8_ds_mla: expected L = 512",
+       [&] { mlakv::make_cache_view(dummy, CacheFormat::kFloat8DsMla, 2, 16, 512, 32); }},
+      {"make_cache_view: expected an entry below",
+       [&] { mlakv::make_cache_view(dummy, CacheFormat::kBFloat16, 2, 16, INT64_MAX, 1); }},
+  };
+  for (const auto& [message, fn] : bad_dims) {
+    expect_rejected(Arena{}, fn, message);
+  }
 }
 
 TEST(Validation, ErrorCountsArguments) {

@@ -67,13 +67,14 @@ bool cache_is_per_tensor_fp8(CacheFormat format) {
   return format == CacheFormat::kFloat8E4M3 || format == CacheFormat::kFloat8E5M2;
 }
 
-int64_t cache_entry_bytes(CacheFormat format, int64_t L, int64_t R) {
-  MLAKV_CHECK(L >= 0 && R >= 0, "cache_entry_bytes: expected L >= 0 and R >= 0, got L = ", L,
-              ", R = ", R);
+namespace {
+// One entry's bytes, or an error naming `op`, the public function the caller called.
+int64_t entry_bytes(const char* op, CacheFormat format, int64_t L, int64_t R) {
+  MLAKV_CHECK(L >= 0 && R >= 0, op, ": expected L >= 0 and R >= 0, got L = ", L, ", R = ", R);
   if (format == CacheFormat::kFloat8DsMla) {
-    MLAKV_CHECK(L == kDsMlaLatentDim && R == kDsMlaRopeDim,
-                "cache_entry_bytes: fp8_ds_mla: expected L = ", kDsMlaLatentDim,
-                " and R = ", kDsMlaRopeDim, ", got L = ", L, ", R = ", R);
+    MLAKV_CHECK(L == kDsMlaLatentDim && R == kDsMlaRopeDim, op,
+                ": fp8_ds_mla: expected L = ", kDsMlaLatentDim, " and R = ", kDsMlaRopeDim,
+                ", got L = ", L, ", R = ", R);
     return kDsMlaEntryBytes;
   }
   int64_t bytes = 0;
@@ -81,16 +82,20 @@ int64_t cache_entry_bytes(CacheFormat format, int64_t L, int64_t R) {
       L < core::kMaxExtentBytes && R < core::kMaxExtentBytes &&
           core::checked_mul_add(L + R, static_cast<int64_t>(dtype_size(cache_latent_dtype(format))),
                                 0, &bytes),
-      "cache_entry_bytes: expected an entry below 2^", core::kMaxExtentLog2, " bytes, got L = ", L,
-      ", R = ", R);
+      op, ": expected an entry below 2^", core::kMaxExtentLog2, " bytes, got L = ", L, ", R = ", R);
   return bytes;
+}
+}  // namespace
+
+int64_t cache_entry_bytes(CacheFormat format, int64_t L, int64_t R) {
+  return entry_bytes("cache_entry_bytes", format, L, R);
 }
 
 namespace {
 // num_blocks * block_size entries, in bytes, below core::kMaxExtentBytes (or an error naming op).
 int64_t checked_cache_bytes(const char* op, CacheFormat format, int64_t num_blocks,
                             int64_t block_size, int64_t L, int64_t R) {
-  const int64_t entry = cache_entry_bytes(format, L, R);
+  const int64_t entry = entry_bytes(op, format, L, R);
   int64_t slots = 0, bytes = 0, block_bytes = 0;
   // One block's bytes too: the view's stride_block_bytes, also when there is no block.
   MLAKV_CHECK(core::checked_mul_add(block_size, entry, 0, &block_bytes) &&
@@ -122,7 +127,7 @@ KVCacheView make_cache_view(void* data, CacheFormat format, int64_t num_blocks, 
                             int64_t L, int64_t R, Device device) {
   KVCacheView v = cache_geometry("make_cache_view", format, num_blocks, block_size, L, R, device);
   v.data = data;
-  v.stride_token_bytes = cache_entry_bytes(format, L, R);
+  v.stride_token_bytes = entry_bytes("make_cache_view", format, L, R);
   v.stride_block_bytes = block_size * v.stride_token_bytes;
   return v;
 }
@@ -134,8 +139,6 @@ KVCacheView make_split_cache_view(void* latent_data, void* rope_data, CacheForma
               "make_split_cache_view: format: fp8_ds_mla has only the combined layout");
   KVCacheView v =
       cache_geometry("make_split_cache_view", format, num_blocks, block_size, L, R, device);
-  MLAKV_CHECK(L >= 0 && R >= 0, "make_split_cache_view: expected L >= 0 and R >= 0, got L = ", L,
-              ", R = ", R);
   const int64_t elem = static_cast<int64_t>(dtype_size(cache_latent_dtype(format)));
   v.data = latent_data;
   v.stride_token_bytes = L * elem;
