@@ -10,6 +10,7 @@
 #include <tuple>
 #include <vector>
 
+#include "core/validate.h"
 #include "fused_problem.h"
 #include "reference/reference.h"
 
@@ -367,6 +368,47 @@ TEST_P(DecodeQConcat, MatchesReference) {
   EXPECT_TRUE(buffer_matches(*q_out.buffer, "q_out"));
   EXPECT_TRUE(buffer_unchanged(*ql_nope.buffer, "ql_nope"));
   EXPECT_TRUE(buffer_unchanged(*q_pe.buffer, "q_pe"));
+}
+
+// ql_nope, and q_pe too, already in q_out (as an absorbed bmm writes it): q_out's parts in place
+// keep their values, the others are copied, and the validated args leave the nope part's copy
+// onto itself out (no ql_nope: DecodeQConcatArgs).
+TEST_P(DecodeQConcat, PartsAlreadyInQOut) {
+  const Device dev = std::get<0>(GetParam()).device;
+  const QConcatCase& c = std::get<1>(GetParam());
+  if (is_float8(c.q_out)) GTEST_SKIP() << "an fp8 q_out shares no byte with its sources";
+  std::mt19937_64 rng(c.H * 7 + c.R);
+  const int64_t T = c.T, rows = T + 2;
+  for (const bool pe_in_place : {false, true}) {
+    SCOPED_TRACE(pe_in_place ? "q_pe in place" : "q_pe apart");
+    Tensor q_out = randomized(
+        padded_heads(dev, c.q_out, rows, c.H, c.L + c.R, c.out_pad.row, c.out_pad.head), rng, 8.0f);
+    const Tensor ql_nope = q_out.view(q_out.offset, {rows, c.H, c.L}, q_out.stride);
+    const Tensor q_pe =
+        pe_in_place
+            ? q_out.view(q_out.offset + c.L, {rows, c.H, c.R}, q_out.stride)
+            : randomized(padded_heads(dev, c.model, rows, c.H, c.R, c.pe_pad.row, c.pe_pad.head),
+                         rng, 8.0f);
+    DecodeQConcatParams host, device;
+    for (auto [p, on_host] : {std::pair{&host, true}, std::pair{&device, false}}) {
+      auto v = [&](const Tensor& t) { return on_host ? t.host_view() : t.device_view(); };
+      p->num_tokens = T;
+      p->ql_nope = v(ql_nope);
+      p->q_pe = v(q_pe);
+      p->q_out = v(q_out);
+    }
+    Device validated;
+    const core::DecodeQConcatArgs args =
+        core::validate_decode_q_concat("decode_q_concat", device, Context{}, &validated);
+    EXPECT_EQ(args.ql_nope, nullptr);
+    EXPECT_EQ(args.q_pe, device.q_pe.data);
+    ref::decode_q_concat(host);
+    decode_q_concat(device);
+    EXPECT_TRUE(buffer_matches(*q_out.buffer, "q_out"));
+    if (!pe_in_place) {
+      EXPECT_TRUE(buffer_unchanged(*q_pe.buffer, "q_pe"));
+    }
+  }
 }
 
 std::vector<QConcatCase> q_concat_cases() {

@@ -128,7 +128,7 @@ struct DecodeQConcatArgs {
   int64_t kv_lora_rank = 0;
   int64_t rope_dim = 0;
   DType model_dtype = DType::kBFloat16;
-  const void* ql_nope = nullptr;
+  const void* ql_nope = nullptr;  // nullptr: q_out's nope part already holds it (no copy)
   int64_t stride_ql_nope_token = 0, stride_ql_nope_head = 0;
   const void* q_pe = nullptr;
   int64_t stride_q_pe_token = 0, stride_q_pe_head = 0;

@@ -796,9 +796,12 @@ DecodeQConcatArgs validate_decode_q_concat(const char* op, const DecodeQConcatPa
   a.kv_lora_rank = L;
   a.rope_dim = R;
   a.model_dtype = model;
-  a.ql_nope = p.ql_nope.data;
-  a.stride_ql_nope_token = canonical_stride(p.ql_nope, 0);
-  a.stride_ql_nope_head = canonical_stride(p.ql_nope, 1);
+  // ql_nope already in q_out's nope part: no copy onto itself (nullptr, as the fused op's args).
+  if (!ql_nope_in_place) {
+    a.ql_nope = p.ql_nope.data;
+    a.stride_ql_nope_token = canonical_stride(p.ql_nope, 0);
+    a.stride_ql_nope_head = canonical_stride(p.ql_nope, 1);
+  }
   a.q_pe = p.q_pe.data;
   a.stride_q_pe_token = canonical_stride(p.q_pe, 0);
   a.stride_q_pe_head = canonical_stride(p.q_pe, 1);

@@ -71,6 +71,7 @@ void decode_q_concat_impl(const core::DecodeQConcatArgs& a, const Context& ctx) 
   const int64_t R = a.rope_dim;
   const int64_t H = a.num_heads;
   const float q_scale = detail::scale_or_one(a.q_scale);
+  const bool copy_nope = a.ql_nope != nullptr;
   const int64_t chunks = (H + detail::kHeadChunk - 1) / detail::kHeadChunk;
   const int64_t items = a.num_tokens * chunks;
   const int64_t bytes = a.num_tokens * H * (L + R) * static_cast<int64_t>(sizeof(T)) * 2;
@@ -83,14 +84,17 @@ void decode_q_concat_impl(const core::DecodeQConcatArgs& a, const Context& ctx) 
     const int64_t h1 = std::min(H, h0 + detail::kHeadChunk);
     for (int64_t h = h0; h < h1; ++h) {
       QOut* out = static_cast<QOut*>(a.q_out) + t * a.stride_q_out_token + h * a.stride_q_out_head;
-      const T* ql_nope =
-          static_cast<const T*>(a.ql_nope) + t * a.stride_ql_nope_token + h * a.stride_ql_nope_head;
       const T* q_pe =
           static_cast<const T*>(a.q_pe) + t * a.stride_q_pe_token + h * a.stride_q_pe_head;
-      if (detail::kIsFp8<QOut> && h + 1 < h1) {  // as decode_q_item (mla_rope_cache.cpp)
-        detail::prefetch_read(ql_nope + a.stride_ql_nope_head, L * static_cast<int64_t>(sizeof(T)));
+      if (copy_nope) {
+        const T* ql_nope = static_cast<const T*>(a.ql_nope) + t * a.stride_ql_nope_token +
+                           h * a.stride_ql_nope_head;
+        if (detail::kIsFp8<QOut> && h + 1 < h1) {  // as decode_q_item (mla_rope_cache.cpp)
+          detail::prefetch_read(ql_nope + a.stride_ql_nope_head,
+                                L * static_cast<int64_t>(sizeof(T)));
+        }
+        detail::store_row(ql_nope, out, L, q_scale);
       }
-      detail::store_row(ql_nope, out, L, q_scale);
       detail::store_row(q_pe, out + L, R, q_scale);
     }
   }
