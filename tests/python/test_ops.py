@@ -272,6 +272,19 @@ def test_decode_q_concat(out_dtype, device):
     assert_bytes_equal(a, b)
 
 
+def test_decode_q_concat_nope_already_in_q_out(device):
+    # The absorbed bmm wrote ql_nope into q_out's nope part: only q_pe is copied in.
+    cfg = CONFIGS[0]
+    g = torch.Generator().manual_seed(16)
+    T = 3
+    q_out = torch.randn(T, cfg.H, cfg.L + cfg.R, generator=g).to(torch.bfloat16).to(device)
+    q_pe = torch.randn(T, cfg.H, cfg.R, generator=g).to(torch.bfloat16).to(device)
+    expected = q_out.clone()
+    expected[:, :, cfg.L:] = q_pe
+    mlakv.decode_q_concat(q_out[:, :, :cfg.L], q_pe, q_out)
+    assert_bytes_equal(q_out, expected)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("N", [64, 512, 1536, 7168])
 def test_rms_norm(dtype, N, device):
