@@ -337,6 +337,24 @@ struct QConcatCase {
 
 class DecodeQConcat : public testing::TestWithParam<std::tuple<Backend, QConcatCase>> {};
 
+// The same decode_q_concat call on the host mirrors (first) and on the device copies (second).
+std::pair<DecodeQConcatParams, DecodeQConcatParams> q_concat_params(int64_t T,
+                                                                    const Tensor& ql_nope,
+                                                                    const Tensor& q_pe,
+                                                                    const Tensor& q_out,
+                                                                    const Tensor& q_scale) {
+  std::pair<DecodeQConcatParams, DecodeQConcatParams> calls;
+  for (auto [p, on_host] : {std::pair{&calls.first, true}, std::pair{&calls.second, false}}) {
+    auto v = [&](const Tensor& t) { return on_host ? t.host_view() : t.device_view(); };
+    p->num_tokens = T;
+    p->ql_nope = v(ql_nope);
+    p->q_pe = v(q_pe);
+    p->q_out = v(q_out);
+    if (q_scale.present()) p->q_scale = static_cast<const float*>(v(q_scale).data);
+  }
+  return calls;
+}
+
 TEST_P(DecodeQConcat, MatchesReference) {
   const Device dev = std::get<0>(GetParam()).device;
   const QConcatCase& c = std::get<1>(GetParam());
@@ -354,15 +372,7 @@ TEST_P(DecodeQConcat, MatchesReference) {
     set_scalar_f32(q_scale, c.q_scale);
   }
   upload_all({&ql_nope, &q_pe, &q_out, &q_scale});
-  DecodeQConcatParams host, device;
-  for (auto [p, on_host] : {std::pair{&host, true}, std::pair{&device, false}}) {
-    auto v = [&](const Tensor& t) { return on_host ? t.host_view() : t.device_view(); };
-    p->num_tokens = T;
-    p->ql_nope = v(ql_nope);
-    p->q_pe = v(q_pe);
-    p->q_out = v(q_out);
-    if (q_scale.present()) p->q_scale = static_cast<const float*>(v(q_scale).data);
-  }
+  const auto [host, device] = q_concat_params(T, ql_nope, q_pe, q_out, q_scale);
   ref::decode_q_concat(host);
   decode_q_concat(device);
   EXPECT_TRUE(buffer_matches(*q_out.buffer, "q_out"));
@@ -389,14 +399,7 @@ TEST_P(DecodeQConcat, PartsAlreadyInQOut) {
             ? q_out.view(q_out.offset + c.L, {rows, c.H, c.R}, q_out.stride)
             : randomized(padded_heads(dev, c.model, rows, c.H, c.R, c.pe_pad.row, c.pe_pad.head),
                          rng, 8.0f);
-    DecodeQConcatParams host, device;
-    for (auto [p, on_host] : {std::pair{&host, true}, std::pair{&device, false}}) {
-      auto v = [&](const Tensor& t) { return on_host ? t.host_view() : t.device_view(); };
-      p->num_tokens = T;
-      p->ql_nope = v(ql_nope);
-      p->q_pe = v(q_pe);
-      p->q_out = v(q_out);
-    }
+    const auto [host, device] = q_concat_params(T, ql_nope, q_pe, q_out, Tensor{});
     Device validated;
     const core::DecodeQConcatArgs args =
         core::validate_decode_q_concat("decode_q_concat", device, Context{}, &validated);
