@@ -78,6 +78,24 @@ __device__ __forceinline__ uint32_t start_load_table(const core::RopeTableArg& r
   return static_cast<const uint32_t*>(rope.data)[i];
 }
 
+// A lane's pairs of one rope row, pr = lane + 32 j for j < num_pairs (at most kMaxPairs) and
+// pr < half: the loads of their cos (column pr) and sin (column half + pr) entries of table row
+// `pos`, all issued before any is used. The other entries stay 0.
+template <int kMaxPairs>
+__device__ __forceinline__ void start_load_cos_sin(const core::RopeTableArg& rope, int64_t pos,
+                                                   int half, int num_pairs, int lane,
+                                                   uint32_t (&cs)[kMaxPairs],
+                                                   uint32_t (&sn)[kMaxPairs]) {
+#pragma unroll
+  for (int j = 0; j < kMaxPairs; ++j) {
+    const int pr = lane + kWarpSize * j;
+    if (j < num_pairs && pr < half) {
+      cs[j] = start_load_table(rope, pos, pr);
+      sn[j] = start_load_table(rope, pos, half + pr);
+    }
+  }
+}
+
 // The value of a table entry start_load_table loaded (waits for it).
 __device__ __forceinline__ float table_value(const core::RopeTableArg& rope, uint32_t bits) {
   switch (rope.dtype) {

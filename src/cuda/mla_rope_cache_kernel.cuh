@@ -130,14 +130,7 @@ __device__ __forceinline__ void k_side_item(const MlaRopeCacheKernelParams& p, i
   auto request_table = [&] {
     const int64_t pos =
         clamp_position(raw_pos, a.rope.max_pos, lane == 0 ? p.error_counts : nullptr);
-#pragma unroll
-    for (int j = 0; j < kMaxRopePairsPerLane; ++j) {
-      const int pr = lane + kWarpSize * j;
-      if (pr < half) {
-        cs_in[j] = start_load_table(a.rope, pos, pr);
-        sn_in[j] = start_load_table(a.rope, pos, half + pr);
-      }
-    }
+    start_load_cos_sin(a.rope, pos, half, kMaxRopePairsPerLane, lane, cs_in, sn_in);
   };
   if (kKTableFirst && p.apply_rope) request_table();
   const T* kv_c = static_cast<const T*>(a.kv_c) + t * a.stride_kv_c_token;
@@ -352,14 +345,7 @@ __device__ __forceinline__ void rope_item(const MlaRopeCacheKernelParams& p, int
   if (p.apply_rope) {
     // Bad positions are counted once per token, by its K item.
     const int64_t pos = clamped_position(a.positions, a.rope.max_pos, t, nullptr);
-#pragma unroll
-    for (int j = 0; j < kMaxRopePairsPerLane; ++j) {
-      const int pr = lane + kWarpSize * j;
-      if (j < ppl && pr < half) {
-        cs_in[j] = start_load_table(a.rope, pos, pr);
-        sn_in[j] = start_load_table(a.rope, pos, half + pr);
-      }
-    }
+    start_load_cos_sin(a.rope, pos, half, ppl, lane, cs_in, sn_in);
   }
 
   // The pairs in the form of their layout (vec.cuh PairInFlight), all in flight before the first

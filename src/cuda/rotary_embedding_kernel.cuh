@@ -61,14 +61,7 @@ __global__ void __launch_bounds__(kRotaryThreads)
   // guard, a value would be waited for there).
   uint32_t cs_in[kRotaryMaxPairsPerLane] = {};
   uint32_t sn_in[kRotaryMaxPairsPerLane] = {};
-#pragma unroll
-  for (int j = 0; j < kRotaryMaxPairsPerLane; ++j) {
-    const int pr = lane + kWarpSize * j;
-    if (j < ppl && pr < half) {
-      cs_in[j] = start_load_table(a.rope, pos, pr);
-      sn_in[j] = start_load_table(a.rope, pos, half + pr);
-    }
-  }
+  start_load_cos_sin(a.rope, pos, half, ppl, lane, cs_in, sn_in);
   // The pairs in the form of their layout (vec.cuh PairInFlight).
   auto rotate_pairs = [&](auto one_access_tag) {
     constexpr bool kOneAccess = decltype(one_access_tag)::value;
