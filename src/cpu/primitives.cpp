@@ -74,7 +74,8 @@ void decode_q_concat_impl(const core::DecodeQConcatArgs& a, const Context& ctx) 
   const bool copy_nope = a.ql_nope != nullptr;
   const int64_t chunks = (H + detail::kHeadChunk - 1) / detail::kHeadChunk;
   const int64_t items = a.num_tokens * chunks;
-  const int64_t bytes = a.num_tokens * H * (L + R) * static_cast<int64_t>(sizeof(T)) * 2;
+  const int64_t bytes =
+      a.num_tokens * H * ((copy_nope ? L : 0) + R) * static_cast<int64_t>(sizeof(T)) * 2;
   const int threads = detail::threads_for(ctx, bytes, items);
 
 #pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
