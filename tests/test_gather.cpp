@@ -129,6 +129,30 @@ TEST_P(GatherCache, SequencesMatchReference) {
   EXPECT_TRUE(buffer_unchanged(*table.buffer, "block_table"));
 }
 
+// A call of a single row is work like any other (a decode step of one token; a context of one
+// sequence of one token): that row holds its entry in both modes, the row after it stays poisoned.
+TEST_P(GatherCache, OneRow) {
+  const Device dev = std::get<0>(GetParam()).device;
+  const GatherCase& c = std::get<1>(GetParam());
+  std::mt19937_64 rng(static_cast<uint64_t>(c.format) * 17 + c.block_size);
+  TestCache cache = filled_cache(dev, c, rng);
+  const int64_t D = c.L + c.R, last_block = cache.geometry.num_blocks - 1;
+  Tensor slots = index_tensor(dev, DType::kInt64, {cache.num_slots() - 1, 0});
+  Tensor out = poisoned(padded_rows(dev, c.out_dtype, 2, D, c.out_row_pad, c.out_row_pad));
+  const BothCounts slot_counts = gather_slots_both(cache, 1, slots, out);
+  EXPECT_EQ(counts_to_string(slot_counts.got), counts_to_string(slot_counts.expected));
+  EXPECT_TRUE(buffer_matches(*out.buffer, "out of gather_cache_slots"));
+
+  // Sequences mode: block_table [1, 1] and out [1, D], a view of the first of two rows.
+  const Tensor block_table = index_tensor(dev, DType::kInt32, {last_block}).view(0, {1, 1}, {1, 1});
+  Tensor cu_seq_lens = index_tensor(dev, DType::kInt32, {0, 1});
+  Tensor seq_out = poisoned(padded_rows(dev, c.out_dtype, 2, D, c.out_row_pad, c.out_row_pad));
+  seq_out = seq_out.view(seq_out.offset, {1, D}, seq_out.stride);
+  const BothCounts seq_counts = gather_sequences_both(cache, 1, block_table, cu_seq_lens, seq_out);
+  EXPECT_EQ(counts_to_string(seq_counts.got), counts_to_string(seq_counts.expected));
+  EXPECT_TRUE(buffer_matches(*seq_out.buffer, "out of gather_cache_sequences"));
+}
+
 std::vector<GatherCase> gather_cases() {
   const auto bf16 = DType::kBFloat16, f32 = DType::kFloat32;
   std::vector<GatherCase> out;

@@ -423,6 +423,10 @@ std::vector<QConcatCase> q_concat_cases() {
       {"e4m3_scaled", bf16, DType::kFloat8E4M3, 0.02f, 16, 512, 64},
       {"e4m3_noscale", bf16, DType::kFloat8E4M3, 0, 128, 512, 64},
       {"e5m2_scaled_fp16", DType::kFloat16, DType::kFloat8E5M2, 0.3f, 40, 256, 32},
+      // One head (DeepSeek-V3's 128 heads over 128 ranks): a single head is work, not an empty
+      // call.
+      {"bf16_one_head", bf16, bf16, 0, 1, 512, 64},
+      {"e4m3_scaled_one_head", bf16, DType::kFloat8E4M3, 0.02f, 1, 512, 64},
       // Launches whose copy items also move the rope parts (CUDA: from 512 tokens, q_out of the
       // model dtype): 2 rows an item, and 1 row of R = 32 (4 lanes).
       {"bf16_T520", bf16, bf16, 0, 8, 512, 64, 520},
