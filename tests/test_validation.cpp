@@ -1566,7 +1566,6 @@ TEST(Validation, CacheViewHelpers) {
   EXPECT_THROW(mlakv::cache_entry_bytes(CacheFormat::kBFloat16, INT64_MAX, 1), mlakv::Error);
   EXPECT_THROW(mlakv::cache_entry_bytes(CacheFormat::kBFloat16, 1, INT64_MAX), mlakv::Error);
   EXPECT_THROW(mlakv::cache_entry_bytes(CacheFormat::kFloat8E4M3, -1, 64), mlakv::Error);
-  EXPECT_THROW(mlakv::cache_entry_bytes(CacheFormat::kBFloat16, 512, -1), mlakv::Error);
   // fp8_ds_mla's fixed entry needs both L = 512 and R = 64, and has only the combined layout.
   EXPECT_THROW(mlakv::cache_entry_bytes(CacheFormat::kFloat8DsMla, 512, 32), mlakv::Error);
   EXPECT_THROW(

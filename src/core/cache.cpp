@@ -85,13 +85,7 @@ int64_t entry_bytes(const char* op, CacheFormat format, int64_t L, int64_t R) {
       op, ": expected an entry below 2^", core::kMaxExtentLog2, " bytes, got L = ", L, ", R = ", R);
   return bytes;
 }
-}  // namespace
 
-int64_t cache_entry_bytes(CacheFormat format, int64_t L, int64_t R) {
-  return entry_bytes("cache_entry_bytes", format, L, R);
-}
-
-namespace {
 // num_blocks * block_size entries, in bytes, below core::kMaxExtentBytes (or an error naming op).
 int64_t checked_cache_bytes(const char* op, CacheFormat format, int64_t num_blocks,
                             int64_t block_size, int64_t L, int64_t R) {
@@ -122,6 +116,10 @@ KVCacheView cache_geometry(const char* op, CacheFormat format, int64_t num_block
   return v;
 }
 }  // namespace
+
+int64_t cache_entry_bytes(CacheFormat format, int64_t L, int64_t R) {
+  return entry_bytes("cache_entry_bytes", format, L, R);
+}
 
 KVCacheView make_cache_view(void* data, CacheFormat format, int64_t num_blocks, int64_t block_size,
                             int64_t L, int64_t R, Device device) {
