@@ -380,22 +380,31 @@ TEST_P(DecodeQConcat, MatchesReference) {
   EXPECT_TRUE(buffer_unchanged(*q_pe.buffer, "q_pe"));
 }
 
-// ql_nope, and q_pe too, already in q_out (as an absorbed bmm writes it): q_out's parts in place
-// keep their values, the others are copied, and the validated args leave the nope part's copy
-// onto itself out (no ql_nope: DecodeQConcatArgs).
+// Parts already in q_out (as an absorbed bmm writes ql_nope; q_pe placed by an earlier step):
+// those keep their values, the others are copied, and the validated args leave each part's copy
+// onto itself out (nullptr: DecodeQConcatArgs); with both in place the call writes nothing.
 TEST_P(DecodeQConcat, PartsAlreadyInQOut) {
   const Device dev = std::get<0>(GetParam()).device;
   const QConcatCase& c = std::get<1>(GetParam());
   if (is_float8(c.q_out)) GTEST_SKIP() << "an fp8 q_out shares no byte with its sources";
   std::mt19937_64 rng(c.H * 7 + c.R);
   const int64_t T = c.T, rows = T + 2;
-  for (const bool pe_in_place : {false, true}) {
-    SCOPED_TRACE(pe_in_place ? "q_pe in place" : "q_pe apart");
+  struct InPlace {
+    bool nope, pe;
+    const char* name;
+  };
+  for (const InPlace in_place :
+       {InPlace{true, false, "ql_nope in place, q_pe apart"}, InPlace{true, true, "both in place"},
+        InPlace{false, true, "ql_nope apart, q_pe in place"}}) {
+    SCOPED_TRACE(in_place.name);
     Tensor q_out = randomized(
         padded_heads(dev, c.q_out, rows, c.H, c.L + c.R, c.out_pad.row, c.out_pad.head), rng, 8.0f);
-    const Tensor ql_nope = q_out.view(q_out.offset, {rows, c.H, c.L}, q_out.stride);
+    const Tensor ql_nope = in_place.nope ? q_out.view(q_out.offset, {rows, c.H, c.L}, q_out.stride)
+                                         : randomized(padded_heads(dev, c.model, rows, c.H, c.L,
+                                                                   c.nope_pad.row, c.nope_pad.head),
+                                                      rng, 8.0f);
     const Tensor q_pe =
-        pe_in_place
+        in_place.pe
             ? q_out.view(q_out.offset + c.L, {rows, c.H, c.R}, q_out.stride)
             : randomized(padded_heads(dev, c.model, rows, c.H, c.R, c.pe_pad.row, c.pe_pad.head),
                          rng, 8.0f);
@@ -403,12 +412,15 @@ TEST_P(DecodeQConcat, PartsAlreadyInQOut) {
     Device validated;
     const core::DecodeQConcatArgs args =
         core::validate_decode_q_concat("decode_q_concat", device, Context{}, &validated);
-    EXPECT_EQ(args.ql_nope, nullptr);
-    EXPECT_EQ(args.q_pe, device.q_pe.data);
+    EXPECT_EQ(args.ql_nope, in_place.nope ? nullptr : device.ql_nope.data);
+    EXPECT_EQ(args.q_pe, in_place.pe ? nullptr : device.q_pe.data);
     ref::decode_q_concat(host);
     decode_q_concat(device);
     EXPECT_TRUE(buffer_matches(*q_out.buffer, "q_out"));
-    if (!pe_in_place) {
+    if (!in_place.nope) {
+      EXPECT_TRUE(buffer_unchanged(*ql_nope.buffer, "ql_nope"));
+    }
+    if (!in_place.pe) {
       EXPECT_TRUE(buffer_unchanged(*q_pe.buffer, "q_pe"));
     }
   }

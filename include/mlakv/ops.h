@@ -110,8 +110,8 @@ struct ConcatAndCacheMlaParams {
 void concat_and_cache_mla(const ConcatAndCacheMlaParams& params, const Context& ctx = {});
 
 // The decode-query concat: q_out[t, h] = [ql_nope[t, h] | q_pe[t, h]] (q_pe already rotated).
-// With a model-dtype q_out, ql_nope may be q_out's nope part itself (then it is not copied) and
-// q_pe its rope part.
+// With a model-dtype q_out, ql_nope may be q_out's nope part itself and q_pe its rope part; a part
+// already in place is not copied onto itself (both in place: nothing is written).
 struct DecodeQConcatParams {
   int64_t num_tokens = 0;          // T
   TensorView ql_nope;              // [>=T, H, L], model dtype

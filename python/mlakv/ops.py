@@ -152,7 +152,8 @@ def decode_q_concat(ql_nope: torch.Tensor, q_pe: torch.Tensor, q_out: torch.Tens
 
     ``ql_nope [>=T, H, L]`` and ``q_pe [>=T, H, R]`` (already rotated) in the model dtype;
     ``q_out [T, H, L + R]`` in the model dtype or float8 (``value / q_scale``). With a model-dtype
-    ``q_out``, ``ql_nope`` may be ``q_out[..., :L]`` itself (then it is not copied)."""
+    ``q_out``, ``ql_nope`` may be ``q_out[..., :L]`` itself and ``q_pe`` ``q_out[..., L:]``; a part
+    already in place is not copied onto itself."""
     _ops.decode_q_concat(ql_nope, q_pe, q_out, q_scale)
 
 

@@ -130,7 +130,7 @@ struct DecodeQConcatArgs {
   DType model_dtype = DType::kBFloat16;
   const void* ql_nope = nullptr;  // nullptr: q_out's nope part already holds it (no copy)
   int64_t stride_ql_nope_token = 0, stride_ql_nope_head = 0;
-  const void* q_pe = nullptr;
+  const void* q_pe = nullptr;  // nullptr: q_out's rope part already holds it (no copy)
   int64_t stride_q_pe_token = 0, stride_q_pe_head = 0;
   void* q_out = nullptr;
   int64_t stride_q_out_token = 0, stride_q_out_head = 0;

@@ -796,15 +796,18 @@ DecodeQConcatArgs validate_decode_q_concat(const char* op, const DecodeQConcatPa
   a.kv_lora_rank = L;
   a.rope_dim = R;
   a.model_dtype = model;
-  // ql_nope already in q_out's nope part: no copy onto itself (nullptr, as the fused op's args).
+  // A part already in its place in q_out is not copied onto itself (nullptr, as the fused op's
+  // ql_nope); with both in place the op has nothing to do.
   if (!ql_nope_in_place) {
     a.ql_nope = p.ql_nope.data;
     a.stride_ql_nope_token = canonical_stride(p.ql_nope, 0);
     a.stride_ql_nope_head = canonical_stride(p.ql_nope, 1);
   }
-  a.q_pe = p.q_pe.data;
-  a.stride_q_pe_token = canonical_stride(p.q_pe, 0);
-  a.stride_q_pe_head = canonical_stride(p.q_pe, 1);
+  if (!q_pe_in_place) {
+    a.q_pe = p.q_pe.data;
+    a.stride_q_pe_token = canonical_stride(p.q_pe, 0);
+    a.stride_q_pe_head = canonical_stride(p.q_pe, 1);
+  }
   a.q_out = p.q_out.data;
   a.stride_q_out_token = canonical_stride(p.q_out, 0);
   a.stride_q_out_head = canonical_stride(p.q_out, 1);

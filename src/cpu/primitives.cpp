@@ -72,10 +72,11 @@ void decode_q_concat_impl(const core::DecodeQConcatArgs& a, const Context& ctx) 
   const int64_t H = a.num_heads;
   const float q_scale = detail::scale_or_one(a.q_scale);
   const bool copy_nope = a.ql_nope != nullptr;
+  const bool copy_rope = a.q_pe != nullptr;
   const int64_t chunks = (H + detail::kHeadChunk - 1) / detail::kHeadChunk;
   const int64_t items = a.num_tokens * chunks;
-  const int64_t bytes =
-      a.num_tokens * H * ((copy_nope ? L : 0) + R) * static_cast<int64_t>(sizeof(T)) * 2;
+  const int64_t bytes = a.num_tokens * H * ((copy_nope ? L : 0) + (copy_rope ? R : 0)) *
+                        static_cast<int64_t>(sizeof(T)) * 2;
   const int threads = detail::threads_for(ctx, bytes, items);
 
 #pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
@@ -85,8 +86,6 @@ void decode_q_concat_impl(const core::DecodeQConcatArgs& a, const Context& ctx) 
     const int64_t h1 = std::min(H, h0 + detail::kHeadChunk);
     for (int64_t h = h0; h < h1; ++h) {
       QOut* out = static_cast<QOut*>(a.q_out) + t * a.stride_q_out_token + h * a.stride_q_out_head;
-      const T* q_pe =
-          static_cast<const T*>(a.q_pe) + t * a.stride_q_pe_token + h * a.stride_q_pe_head;
       if (copy_nope) {
         const T* ql_nope = static_cast<const T*>(a.ql_nope) + t * a.stride_ql_nope_token +
                            h * a.stride_ql_nope_head;
@@ -96,7 +95,11 @@ void decode_q_concat_impl(const core::DecodeQConcatArgs& a, const Context& ctx) 
         }
         detail::store_row(ql_nope, out, L, q_scale);
       }
-      detail::store_row(q_pe, out + L, R, q_scale);
+      if (copy_rope) {
+        const T* q_pe =
+            static_cast<const T*>(a.q_pe) + t * a.stride_q_pe_token + h * a.stride_q_pe_head;
+        detail::store_row(q_pe, out + L, R, q_scale);
+      }
     }
   }
 }
@@ -140,6 +143,7 @@ void concat_and_cache_mla(const core::ConcatAndCacheMlaArgs& args, const Context
 
 void decode_q_concat(const core::DecodeQConcatArgs& args, const Context& ctx) {
   if (args.num_tokens <= 0 || args.num_heads <= 0) return;
+  if (args.ql_nope == nullptr && args.q_pe == nullptr) return;  // both parts already in q_out
   detail::dispatch_model_dtype(args.model_dtype, "ql_nope", [&](auto model_tag) {
     using T = decltype(model_tag);
     detail::dispatch_value_dtype(args.q_out_dtype, "q_out", [&](auto q_out_tag) {

@@ -140,12 +140,14 @@ MlaRopeCacheKernelParams make_params(const core::MlaRopeCacheArgs& a, bool apply
   // kRopeInCopyMinTokens) when q_out has the model dtype, a copy item's rows have at most one rope
   // chunk a lane and the stage has a slot left for it.
   const CopyList& dc = p.decode_copy;
-  p.decode_rope_in_copy = p.rope_chunked && half > 0 && decode_end >= kRopeInCopyMinTokens &&
+  // No q_pe (decode_q_concat's rope parts already in q_out): the decode rows have no rope work.
+  const bool decode_rope = has_decode && a.q_pe != nullptr && half > 0;
+  p.decode_rope_in_copy = p.rope_chunked && decode_rope && decode_end >= kRopeInCopyMinTokens &&
                           a.q_out_dtype == a.model_dtype && dc.num_items > 0 &&
                           dc.slots < stage_slots(elem_bytes) &&
                           (dc.segment_div.divisor > 1 || int64_t{dc.rows_per_item} * cph <= 32);
   p.head_div = FastDiv(static_cast<uint32_t>(std::max<int64_t>(H, 1)));
-  const bool rope_decode = has_decode && !p.decode_rope_in_copy;
+  const bool rope_decode = decode_rope && !p.decode_rope_in_copy;
   const bool has_rope = (rope_decode || has_prefill) && half > 0;
   p.rope_token_begin = rope_decode ? 0 : prefill_begin;
   const int64_t rope_tokens = has_rope ? (has_prefill ? T : decode_end) - p.rope_token_begin : 0;
@@ -297,6 +299,7 @@ void concat_and_cache_mla(const core::ConcatAndCacheMlaArgs& args, const Context
 
 void decode_q_concat(const core::DecodeQConcatArgs& args, const Context& ctx) {
   if (args.num_heads <= 0) return;
+  if (args.ql_nope == nullptr && args.q_pe == nullptr) return;  // both parts already in q_out
   core::MlaRopeCacheArgs a;
   a.num_tokens = args.num_tokens;
   a.num_heads = args.num_heads;

@@ -272,7 +272,7 @@ def test_decode_q_concat(out_dtype, device):
     assert_bytes_equal(a, b)
 
 
-def test_decode_q_concat_nope_already_in_q_out(device):
+def test_decode_q_concat_parts_already_in_q_out(device):
     # The absorbed bmm wrote ql_nope into q_out's nope part: only q_pe is copied in.
     cfg = CONFIGS[0]
     g = torch.Generator().manual_seed(16)
@@ -282,6 +282,11 @@ def test_decode_q_concat_nope_already_in_q_out(device):
     expected = q_out.clone()
     expected[:, :, cfg.L:] = q_pe
     mlakv.decode_q_concat(q_out[:, :, :cfg.L], q_pe, q_out)
+    assert_bytes_equal(q_out, expected)
+    # q_pe in q_out's rope part, ql_nope apart: only the nope part is copied in.
+    ql_nope = torch.randn(T, cfg.H, cfg.L, generator=g).to(torch.bfloat16).to(device)
+    expected[:, :, :cfg.L] = ql_nope
+    mlakv.decode_q_concat(ql_nope, q_out[:, :, cfg.L:], q_out)
     assert_bytes_equal(q_out, expected)
 
 
