@@ -212,6 +212,38 @@ TEST_F(CudaFusedKernelChoice, DecodeQConcatRopeInCopyFromTheThreshold) {
   }
 }
 
+// A part already in q_out is not copied (DecodeQConcatArgs): with q_pe in place the copy items do
+// not take the rope parts (kRopeInCopy off, even from the threshold on), and with both parts in
+// place nothing is launched.
+TEST_F(CudaFusedKernelChoice, DecodeQConcatPartsInPlace) {
+  constexpr int64_t T = cuda::kRopeInCopyMinTokens;
+  constexpr int64_t H = 8, L = 512, R = 64;
+  const Tensor ql_nope = new_tensor(device_, DType::kBFloat16, {T, H, L});
+  const Tensor q_pe = new_tensor(device_, DType::kBFloat16, {T, H, R});
+  const Tensor q_out = new_tensor(device_, DType::kBFloat16, {T, H, L + R});
+  const TensorView out = q_out.device_view();
+  const TensorView out_nope = q_out.view(q_out.offset, {T, H, L}, q_out.stride).device_view();
+  const TensorView out_pe = q_out.view(q_out.offset + L, {T, H, R}, q_out.stride).device_view();
+  struct Case {
+    const char* name;
+    TensorView nope, pe;
+    size_t kernels;
+  };
+  for (const Case& c : {Case{"q_pe in place", ql_nope.device_view(), out_pe, 1},
+                        Case{"both in place", out_nope, out_pe, 0}}) {
+    SCOPED_TRACE(c.name);
+    DecodeQConcatParams p;
+    p.num_tokens = T;
+    p.ql_nope = c.nope;
+    p.q_pe = c.pe;
+    p.q_out = out;
+    const std::vector<std::string> names =
+        kernels_of([&](const Context& ctx) { decode_q_concat(p, ctx); });
+    ASSERT_EQ(names.size(), c.kernels);
+    if (c.kernels == 1) EXPECT_EQ(fused_flags(names[0]), "false, false") << names[0];
+  }
+}
+
 // The template arguments of mla_rope_cache_kernel<...> as the demangled name spells them, split at
 // ", " (T, kFormat, QOut, kVec, kKTableFirst, kRopeInCopy), or empty if `name` is not that kernel.
 std::vector<std::string> fused_arguments(const std::string& name) {
