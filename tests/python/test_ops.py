@@ -672,3 +672,197 @@ def test_gather_cache_sequences_past_the_block_table_width(device):
     assert_bytes_equal(a, e)
     assert bool(a[:4].ne(0).all()) and not bool(a[4:].any())
     assert mlakv.read_error_counts(counts)["bad_block_index"] == 5
+
+
+# ---- what the binding and the wrappers add -------------------------------------------------------
+def test_padding_rows_of_every_per_token_input(device):
+    """T is slot_mapping's length in the fused op and in concat_and_cache_mla: positions, kv_c and
+    k_pe may all have graph-padding rows (here with positions past the table), never read."""
+    cfg = TP8
+    T, pad = 5, 3
+    x = make_mla_inputs(cfg, "bf16", T=T, device=device, pad_rows=pad, seed=50)
+    x.positions = torch.cat([x.positions, torch.full((pad,), 10 ** 6, device=device)])
+    y = x.clone()
+    counts = mlakv.new_error_counts(device)
+    call_mla(mlakv.mla_rope_cache, x, "bf16", error_counts=counts)
+    call_mla(ref.mla_rope_cache, y, "bf16")
+    for name in ("kv_cache", "q_out", "q", "k_pe_out", "kv_c_out"):
+        assert_bytes_equal(getattr(x, name), getattr(y, name))
+    assert mlakv.read_error_counts(counts)["bad_position"] == 0
+    u, v = x.clone(), y.clone()
+    mlakv.concat_and_cache_mla(u.kv_c, u.k_pe, u.kv_cache, u.slot_mapping, cache_format="bf16",
+                               error_counts=counts)
+    ref.concat_and_cache_mla(v.kv_c, v.k_pe, v.kv_cache, v.slot_mapping, cache_format="bf16")
+    assert_bytes_equal(u.kv_cache, v.kv_cache)
+
+
+def test_eps_reaches_the_norms(device):
+    """A non-default eps is applied by the fused op and by rms_norm (with eps of the order of the
+    mean square, the result differs from the default eps's)."""
+    cfg = MINICPM3
+    x = make_mla_inputs(cfg, "bf16", device=device, seed=51)
+    y, z = x.clone(), x.clone()
+    call_mla(mlakv.mla_rope_cache, x, "bf16", kv_norm_eps=0.5)
+    call_mla(ref.mla_rope_cache, y, "bf16", kv_norm_eps=0.5)
+    call_mla(ref.mla_rope_cache, z, "bf16")
+    assert_bytes_equal(x.kv_cache, y.kv_cache)
+    assert_bytes_equal(x.kv_c_out, y.kv_c_out)
+    assert not torch.equal(y.kv_c_out, z.kv_c_out)
+    out = mlakv.rms_norm(x.kv_c, x.kv_norm_weight, 0.5)
+    assert_bytes_equal(out, ref.rms_norm(x.kv_c, x.kv_norm_weight, 0.5))
+    assert not torch.equal(out, ref.rms_norm(x.kv_c, x.kv_norm_weight, 1e-6))
+
+
+def test_fp8_is_fp8_e4m3_everywhere(device):
+    """The format name "fp8" means fp8_e4m3 in the ops (raw and wrapped) and in the gathers."""
+    cfg = MINICPM3
+    x = make_mla_inputs(cfg, "fp8_e4m3", device=device, seed=52)
+    y, z = x.clone(), x.clone()
+    torch.ops.mlakv.concat_and_cache_mla(x.kv_c, x.k_pe, x.kv_cache, x.slot_mapping, "fp8",
+                                         x.kv_cache_scale)
+    mlakv.concat_and_cache_mla(y.kv_c, y.k_pe, y.kv_cache, y.slot_mapping,
+                               cache_format="fp8_e4m3", kv_cache_scale=y.kv_cache_scale)
+    mlakv.concat_and_cache_mla(z.kv_c, z.k_pe, z.kv_cache, z.slot_mapping,
+                               cache_format="fp8_e5m2", kv_cache_scale=z.kv_cache_scale)
+    assert_bytes_equal(x.kv_cache, y.kv_cache)
+    assert not torch.equal(x.kv_cache, z.kv_cache)
+    for kw in ({}, {"error_counts": mlakv.new_error_counts(device)}):
+        a = mlakv.gather_cache_slots(x.kv_cache, x.slot_mapping, kv_lora_rank=cfg.L,
+                                     cache_format="fp8", kv_cache_scale=x.kv_cache_scale, **kw)
+        e = ref.gather_cache_slots(x.kv_cache, x.slot_mapping, kv_lora_rank=cfg.L,
+                                   cache_format="fp8_e4m3", kv_cache_scale=x.kv_cache_scale)
+        assert_bytes_equal(a, e)
+    assert mlakv.cache_latent_dtype("fp8") == torch.float8_e4m3fn
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp16", "fp32", "fp8_e4m3", "fp8_e5m2"])
+def test_gathers_take_the_format_of_a_typed_cache(fmt, device):
+    """cache_format="auto" in the gather wrappers reads a typed cache in its dtype's format."""
+    cfg = MINICPM3
+    x = make_mla_inputs(cfg, fmt, device=device, seed=53)
+    scale = x.kv_cache_scale if fmt in FP8_FORMATS else None
+    mlakv.concat_and_cache_mla(x.kv_c, x.k_pe, x.kv_cache, x.slot_mapping, cache_format=fmt,
+                               kv_cache_scale=scale)
+    typed = x.kv_cache.view(mlakv.cache_latent_dtype(fmt))
+    e = ref.gather_cache_slots(x.kv_cache, x.slot_mapping, kv_lora_rank=cfg.L, cache_format=fmt,
+                               kv_cache_scale=scale)
+    for kw in ({}, {"error_counts": mlakv.new_error_counts(device)}):
+        a = mlakv.gather_cache_slots(typed, x.slot_mapping, kv_lora_rank=cfg.L,
+                                     kv_cache_scale=scale, **kw)
+        assert_bytes_equal(a, e)
+
+
+def test_gathers_of_a_split_cache(device):
+    """A split cache (latent + rope tensors) reads back as the combined one, whether the op or
+    the wrapper (error_counts given) allocates the output; a kv_lora_rank that is not the latent
+    tensor's width is rejected by name."""
+    cfg = MINICPM3
+    x = make_mla_inputs(cfg, "bf16", device=device, seed=54)
+    nb, bs = x.kv_cache.shape[:2]
+    latent = torch.full((nb, bs, cfg.L), 1.5, dtype=torch.bfloat16, device=device)
+    rope = torch.full((nb, bs, cfg.R), 2.5, dtype=torch.bfloat16, device=device)
+    combined = torch.full((nb, bs, cfg.L + cfg.R), 1.5, dtype=torch.bfloat16, device=device)
+    combined[:, :, cfg.L:] = 2.5
+    mlakv.concat_and_cache_mla(x.kv_c, x.k_pe, latent, x.slot_mapping, kv_cache_rope=rope)
+    mlakv.concat_and_cache_mla(x.kv_c, x.k_pe, combined, x.slot_mapping)
+    slots = torch.arange(nb * bs, device=device)
+    cu = torch.tensor([0, 3, 7], dtype=torch.int32, device=device)
+    table = torch.tensor([[1, 0], [3, 2]], dtype=torch.int32, device=device)
+    for kw in ({}, {"error_counts": mlakv.new_error_counts(device)}):
+        a = mlakv.gather_cache_slots(latent, slots, kv_lora_rank=cfg.L, kv_cache_rope=rope, **kw)
+        assert_bytes_equal(a, mlakv.gather_cache_slots(combined, slots, kv_lora_rank=cfg.L))
+        a = mlakv.gather_cache_sequences(latent, table, cu, 7, kv_lora_rank=cfg.L,
+                                         kv_cache_rope=rope, **kw)
+        assert_bytes_equal(a, mlakv.gather_cache_sequences(combined, table, cu, 7,
+                                                           kv_lora_rank=cfg.L))
+    with pytest.raises(RuntimeError, match="kv_cache: expected a latent part of 128 values"):
+        torch.ops.mlakv.gather_cache_slots(latent, "bf16", None, rope, slots, 128, torch.float32)
+
+
+def test_binding_rejects_what_the_core_cannot_see(device):
+    """Arguments the binding checks itself (the core gets only pointers and strides), each named,
+    nothing written."""
+    cfg = TP8
+    x = make_mla_inputs(cfg, "fp8_e4m3", T=4, device=device, seed=55)
+    before = x.kv_cache.clone()
+
+    def concat(cache=x.kv_cache, fmt="fp8_e4m3", k_pe=x.k_pe, **kw):
+        kw.setdefault("kv_cache_scale", x.kv_cache_scale)
+        mlakv.concat_and_cache_mla(x.kv_c, k_pe, cache, x.slot_mapping, cache_format=fmt, **kw)
+
+    with pytest.raises(RuntimeError, match="kv_cache_scale: expected at least one element"):
+        concat(kv_cache_scale=x.kv_cache_scale[:0])
+    with pytest.raises(RuntimeError, match="error_counts: expected a contiguous tensor of at "
+                                           "least 4 elements"):
+        concat(error_counts=mlakv.new_error_counts(device)[:2])
+    # An entry with an innermost stride of 2 (the core sees only block and token strides).
+    wide = torch.zeros(4, 4, 2 * x.kv_cache.shape[2], dtype=torch.uint8, device=device)
+    with pytest.raises(RuntimeError, match="kv_cache: expected a contiguous entry"):
+        concat(cache=wide[:, :, ::2])
+    assert not wide.any()
+    # A k_pe of several heads is not vLLM's [T, 1, R].
+    with pytest.raises(RuntimeError, match="k_pe"):
+        concat(k_pe=torch.stack([x.k_pe, x.k_pe], dim=1))
+    assert torch.equal(x.kv_cache, before), "a rejected op must write nothing"
+    # fp8_ds_mla is a byte cache only, even with e4m3 elements of the right count.
+    ds = torch.zeros(4, 4, 656, dtype=torch.uint8, device=device).view(torch.float8_e4m3fn)
+    kv_c = x.kv_c.to(torch.bfloat16)
+    with pytest.raises(RuntimeError, match="fp8_ds_mla cache is a uint8 byte tensor"):
+        mlakv.concat_and_cache_mla(kv_c, x.k_pe, ds, x.slot_mapping, cache_format="fp8_ds_mla")
+    assert not ds.view(torch.uint8).any()
+    # q_scale without q_out would be ignored.
+    y = make_mla_inputs(cfg, "bf16", T=4, device=device, seed=56)
+    before = y.kv_cache.clone()
+    with pytest.raises(RuntimeError, match="q_scale: given without q_out"):
+        call_mla(mlakv.mla_rope_cache, y, "bf16", decode=False, q_scale=x.kv_cache_scale)
+    assert torch.equal(y.kv_cache, before)
+    # A 3-D query whose heads are not head_size wide.
+    q_pe = y.q_pe.clone()
+    with pytest.raises(RuntimeError, match="query: expected head_size 32, got 64"):
+        mlakv.rotary_embedding(y.positions, q_pe, None, y.cos_sin_cache[:, :32], head_size=32)
+    assert torch.equal(q_pe, y.q_pe)
+    # The functional gather (no error_counts) names a negative row count like the wrapper does.
+    with pytest.raises(RuntimeError, match="mlakv: num_out_rows: expected >= 0, got -1"):
+        mlakv.gather_cache_sequences(y.kv_cache, torch.zeros(1, 1, dtype=torch.int32,
+                                                              device=device),
+                                     torch.tensor([0, 1], dtype=torch.int32, device=device), -1,
+                                     kv_lora_rank=cfg.L, cache_format="bf16")
+
+
+def test_allocate_cache(device):
+    """A new cache is zeros (every format reads back zeros), or every byte `fill`; fp8_ds_mla
+    exists for L = 512, R = 64 only and as bytes only."""
+    cfg = TP8
+    slots = torch.arange(8, device=device)
+    for fmt in ["bf16", "fp16", "fp32", "fp8_e4m3", "fp8_e5m2", "fp8_ds_mla"]:
+        cache = mlakv.allocate_cache(2, 4, cfg.L, cfg.R, fmt, device=device)
+        assert cache.shape == (2, 4, mlakv.cache_entry_bytes(fmt, cfg.L, cfg.R))
+        assert cache.dtype == torch.uint8 and not cache.any()
+        got = mlakv.gather_cache_slots(cache, slots, kv_lora_rank=cfg.L, cache_format=fmt)
+        assert torch.equal(got, torch.zeros(8, cfg.L + cfg.R, device=device))
+        assert bool((mlakv.allocate_cache(2, 4, cfg.L, cfg.R, fmt, device=device,
+                                          fill=SENTINEL) == SENTINEL).all())
+    with pytest.raises(ValueError, match="fp8_ds_mla needs L = 512 and R = 64"):
+        mlakv.allocate_cache(2, 4, 256, 32, "fp8_ds_mla")
+    with pytest.raises(ValueError, match="uint8 byte tensor only"):
+        mlakv.allocate_cache(2, 4, cfg.L, cfg.R, "fp8_ds_mla", typed=True)
+
+
+def test_decode_and_prefill_wrappers_set_td(device):
+    """mla_rope_cache_decode is Td = T and mla_rope_cache_prefill Td = 0, also when a device Td
+    is passed along (it is dropped, as the C++ entry points have none)."""
+    cfg = TP8
+    T = 5
+    td = torch.tensor([2], dtype=torch.int32, device=device)
+    x = make_mla_inputs(cfg, "bf16", T=T, Td=T, device=device, seed=57)
+    y = x.clone()
+    call_mla(mlakv.mla_rope_cache_decode, x, "bf16", prefill=False, num_decode_tokens_device=td)
+    call_mla(ref.mla_rope_cache, y, "bf16", prefill=False)
+    for name in ("kv_cache", "q_out"):
+        assert_bytes_equal(getattr(x, name), getattr(y, name))
+    x = make_mla_inputs(cfg, "bf16", T=T, Td=0, device=device, seed=58)
+    y = x.clone()
+    call_mla(mlakv.mla_rope_cache_prefill, x, "bf16", decode=False, num_decode_tokens_device=td)
+    call_mla(ref.mla_rope_cache, y, "bf16", decode=False)
+    for name in ("kv_cache", "q"):
+        assert_bytes_equal(getattr(x, name), getattr(y, name))
