@@ -340,3 +340,35 @@ def test_cuda_graph_capture():
     q, s = ref_group_quant(ref_rms_norm(x, w, 1e-6)[0], 128)
     assert_bytes_equal(out, q)
     assert_bytes_equal(scales, s)
+
+
+def test_wrappers_pass_eps_group_size_and_q_normed_out(device):
+    """A non-default eps (of the order of the rows' mean square, so that it shows in the bytes),
+    a group size other than 128 in per_token_group_quant_fp8, and mla_rmsnorm_quant's
+    q_normed_out all reach the ops."""
+    T, N = 6, 1536
+    g = torch.Generator().manual_seed(41)
+    x = (torch.randn(T, N, generator=g) * 0.1).to(torch.bfloat16).to(device)
+    w = rand_weight(N, torch.bfloat16, device, seed=42)
+    kv_c = rand_rows(T, 512, torch.bfloat16, device, seed=43, pad_rows=0)
+    kvw = rand_weight(512, torch.bfloat16, device, seed=44)
+    y, _ = ref_rms_norm(x, w, 1e-2)
+    assert not torch.equal(y, ref_rms_norm(x, w, 1e-6)[0])
+    out, scales = mlakv.rmsnorm_quant(x, w, 1e-2)
+    q, s = ref_group_quant(y, 128)
+    assert_bytes_equal(out, q)
+    assert_bytes_equal(scales, s)
+
+    out, scales = mlakv.per_token_group_quant_fp8(x, 64)
+    q, s = ref_group_quant(x, 64)
+    assert scales.shape == (T, N // 64)
+    assert_bytes_equal(out, q)
+    assert_bytes_equal(scales, s)
+
+    normed = torch.full_like(x, 3.0)
+    q_out, q_scales, _ = mlakv.mla_rmsnorm_quant(x, w, kv_c, kvw, q_eps=1e-2, kv_eps=1e-4,
+                                                 q_normed_out=normed)
+    q, s = ref_group_quant(y, 128)
+    assert_bytes_equal(normed, y)
+    assert_bytes_equal(q_out, q)
+    assert_bytes_equal(q_scales, s)
