@@ -240,7 +240,8 @@ def test_fake_kernels_shapes():
 
 def test_fake_kernels_reject_what_the_gathers_reject():
     """The functional gathers' fake kernels raise the real ops' RuntimeError for an out_dtype they
-    do not produce and a byte cache without a format, so a compiled graph fails where eager does."""
+    do not produce, a byte cache without a format and a negative row count, so a compiled graph
+    fails where eager does."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     cfg = TP8
     cache = mlakv.allocate_cache(4, 4, cfg.L, cfg.R, "fp8_ds_mla")
@@ -258,6 +259,9 @@ def test_fake_kernels_reject_what_the_gathers_reject():
             with pytest.raises(RuntimeError, match="auto"):
                 torch.ops.mlakv.gather_cache_slots(cache, "auto", None, None, slots, cfg.L,
                                                    torch.float32)
+            with pytest.raises(RuntimeError, match="num_out_rows: expected >= 0, got -1"):
+                torch.ops.mlakv.gather_cache_sequences(cache, "fp8_ds_mla", None, None, table,
+                                                       cu, -1, cfg.L, torch.float32)
 
 
 @requires_cuda
@@ -437,6 +441,46 @@ def test_fake_kernels_reject_mixed_devices():
     # All on one device: no error (shapes only).
     mlakv.concat_and_cache_mla(x.kv_c.to("meta"), x.k_pe.to("meta"), x.kv_cache.to("meta"),
                                x.slot_mapping.to("meta"), cache_format="bf16")
+
+
+def test_fake_kernels_of_every_writing_op_reject_mixed_devices():
+    """Every op that writes its arguments has a fake kernel that raises the one-device error when
+    one of its outputs is a meta tensor among CPU ones (without one, torch raises an unrelated
+    NotImplementedError)."""
+    cfg = TP8
+    x = make_mla_inputs(cfg, "bf16", T=4)
+    T = x.slot_mapping.shape[0]
+    meta = lambda t: torch.empty_like(t, device="meta")
+    cache = mlakv.allocate_cache(4, 4, cfg.L, cfg.R, "bf16")
+    out = torch.empty(T, cfg.L + cfg.R)
+    table = torch.zeros(1, 1, dtype=torch.int32)
+    cu = torch.tensor([0, 2], dtype=torch.int32)
+    rows = torch.randn(T, 256).to(torch.bfloat16)
+    w = torch.ones(256, dtype=torch.bfloat16)
+    q8 = torch.empty(T, 256, dtype=torch.float8_e4m3fn)
+    scales = torch.empty(T, 2)
+    mla = list(_mla_args(x, "bf16"))
+    mla[6] = meta(x.kv_cache)
+    calls = {
+        "mla_rope_cache": tuple(mla),
+        "rotary_embedding": (x.positions, meta(x.q_pe), None, cfg.R, x.cos_sin_cache, False,
+                             None),
+        "concat_and_cache_mla": (x.kv_c, x.k_pe, meta(x.kv_cache), x.slot_mapping, "bf16", None,
+                                 None, None, False),
+        "decode_q_concat": (x.ql_nope[:T], x.q_pe[:T], meta(x.q_out[:T]), None),
+        "rms_norm": (meta(x.kv_c), x.kv_c, x.kv_norm_weight, 1e-6),
+        "gather_cache_slots_out": (meta(out), cache, "bf16", None, None, x.slot_mapping, cfg.L,
+                                   None),
+        "gather_cache_sequences_out": (meta(out), cache, "bf16", None, None, table, cu, cfg.L,
+                                       None),
+        "rmsnorm_quant": (rows, w, 1e-6, meta(q8), scales),
+        "mla_rmsnorm_quant": (rows, w, 1e-6, meta(q8), scales, rows, w, 1e-6, rows.clone()),
+        "per_token_group_quant_fp8": (rows, meta(q8), scales),
+    }
+    for name, args in calls.items():
+        with pytest.raises(RuntimeError, match=f"mlakv: {name}: expected every tensor on one "
+                                               "device"):
+            getattr(OPS, name)(*args)
 
 
 @requires_cuda
