@@ -139,6 +139,64 @@ def test_paged_steps_equal_dense_layer(dtype, cache_format, rtol, fused):
         engine.dense_check(seq, rtol)
 
 
+@pytest.mark.parametrize("fused", [True, False])
+def test_config_eps_reaches_every_norm(fused):
+    """rms_norm_eps of the config is the eps of the q_a and kv_a norms on both paths (0.5: of the
+    order of the activations' mean square, so a wrong eps shows against the dense layer)."""
+    layer = make_layer(fused=fused, dtype=torch.float32, cache_format="fp32", rms_norm_eps=0.5)
+    engine = PagedEngine(layer)
+    engine.step([], [(0, 6), (1, 3)])
+    engine.step([0, 1], [])
+    for seq in (0, 1):
+        engine.dense_check(seq, 1e-5)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_fp8_cache_holds_values_over_the_config_scale(fused):
+    """kv_cache_scale of the config is the per-tensor fp8 cache's scale: the stored e4m3 values
+    times the scale are the bf16 layer's cache values (to e4m3's precision)."""
+    fp8 = make_layer(fused=fused, cache_format="fp8_e4m3", kv_cache_scale=0.05)
+    bf16 = make_layer(fused=fused, cache_format="bf16")
+    slots = None
+    for layer in (fp8, bf16):
+        engine = PagedEngine(layer)
+        inputs, _ = engine.step([], [(0, 6), (1, 3)])
+        slots = inputs["slot_mapping"]
+    stored = fp8.kv_cache.view(torch.float8_e4m3fn).flatten(0, 1)[slots].float() * 0.05
+    want = bf16.kv_cache.view(torch.bfloat16).flatten(0, 1)[slots].float()
+    torch.testing.assert_close(stored, want, rtol=2 ** -3, atol=0.05 * 2 ** -9)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_fp8_ds_mla_cache(fused):
+    """A layer on FlashMLA's fp8_ds_mla cache (L = 512, R = 64; no per-tensor scale) equals the
+    dense layer to fp8's precision."""
+    layer = make_layer(fused=fused, kv_lora_rank=512, qk_rope_head_dim=64,
+                       cache_format="fp8_ds_mla")
+    assert layer.kv_cache_scale is None
+    engine = PagedEngine(layer)
+    for decode, prefill in SCENARIO[:3]:
+        engine.step(decode, prefill)
+    for seq in range(4):
+        engine.dense_check(seq, 6e-2)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_fused_argument_overrides_the_environment(fused, monkeypatch):
+    """DeepseekV3MLAttention(fused=...) picks the path whatever MLAKV_FUSED says."""
+    from mlakv import modules
+
+    def unused(*args, **kwargs):
+        raise AssertionError("the other path's op was called")
+
+    monkeypatch.setenv("MLAKV_FUSED", "0" if fused else "1")
+    monkeypatch.setattr(modules.ops, "concat_and_cache_mla" if fused else "mla_rope_cache",
+                        unused)
+    layer = make_layer(fused=fused)
+    assert layer.use_fused() == fused
+    PagedEngine(layer).step([], [(0, 4)])
+
+
 def test_config_without_q_lora_and_plain_rope():
     """DeepSeek-V2-Lite style: q_proj straight from the hidden state, no YaRN."""
     layer = make_layer(dtype=torch.float32, cache_format="fp32", q_lora_rank=None,
