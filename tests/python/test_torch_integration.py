@@ -496,3 +496,26 @@ def test_cuda_op_with_its_device_tensor_on_the_cpu():
         mlakv.rmsnorm_quant(torch.ones(4, 256, dtype=torch.bfloat16),
                             torch.ones(256, dtype=torch.bfloat16, device="cuda"))
     assert torch.equal(x.kv_cache, before)
+
+
+def test_make_fx_symbolic_keeps_the_host_td_symbolic():
+    """Traced with symbolic shapes outside dynamo (make_fx, as non-strict export does), the Td of
+    mla_rope_cache_decode (slot_mapping's length) stays a SymInt: the graph replayed with another
+    T gives the eager bytes (int() of the SymInt would bake the traced T into the graph)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+    cfg = TP8
+    names = ("positions", "slot_mapping", "cos_sin_cache", "kv_c", "k_pe", "kv_cache", "q_pe",
+             "ql_nope", "q_out")
+
+    def step(positions, slot_mapping, table, kv_c, k_pe, kv_cache, q_pe, ql_nope, q_out):
+        mlakv.mla_rope_cache_decode(positions, slot_mapping, table, kv_c, k_pe, kv_cache,
+                                    cache_format="bf16", q_pe=q_pe, ql_nope=ql_nope, q_out=q_out)
+
+    x = make_mla_inputs(cfg, "bf16", T=4, Td=4)
+    traced = make_fx(step, tracing_mode="symbolic")(*[getattr(x, n) for n in names])
+    x = make_mla_inputs(cfg, "bf16", T=6, Td=6, seed=3)
+    y = x.clone()
+    traced(*[getattr(x, n) for n in names])
+    step(*[getattr(y, n) for n in names])
+    assert_bytes_equal(x.q_out, y.q_out)
+    assert_bytes_equal(x.kv_cache, y.kv_cache)
