@@ -125,6 +125,16 @@ struct Case {
        << rope_style_name(rope_style) << " table " << dtype_name(table_dtype)
        << (table_row_stride != R ? " strided" : "") << " idx " << dtype_name(index_dtype)
        << (rms_norm ? " rmsnorm" : "") << (joint_kv ? " joint-kv" : "");
+    // The rows the op must skip or clamp and count (padding rows excluded: never read).
+    int64_t padding_slots = 0, slots_past = 0, positions_clamped = 0;
+    for (int64_t t = 0; t < T; ++t) {
+      padding_slots += slots[t] < 0 ? 1 : 0;
+      slots_past += slots[t] >= num_blocks * block_size ? 1 : 0;
+      positions_clamped += positions[t] < 0 || positions[t] >= max_pos ? 1 : 0;
+    }
+    if (padding_slots > 0) os << " " << padding_slots << " padding slots";
+    if (slots_past > 0) os << " " << slots_past << " slots past the cache";
+    if (positions_clamped > 0) os << " " << positions_clamped << " positions clamped";
     if (k_pe_out != Alias::kNone)
       os << (k_pe_out == Alias::kInPlace ? " k_pe_out=k_pe" : " k_pe_out");
     if (kv_c_out != Alias::kNone)
