@@ -1,0 +1,213 @@
+// mlakv tests: a deliberately faulty library under the real `mlakv` tool (target mlakv_faulty).
+// The tool's object files are linked with `--wrap` on the ops they call, so each call lands here
+// first; MLAKV_FAULT picks one op and one way to get it wrong, and `mlakv check` / `mlakv bench`
+// must then report a mismatch and exit non-zero (the cli.fault.* ctest entries). A check that
+// cannot see a wrong byte is the defect these tests exist to find.
+//
+//   MLAKV_FAULT=<op>:<what>[:last]
+//     op    mla_rope_cache, concat_and_cache_mla, decode_q_concat, rotary_embedding, rms_norm,
+//           rmsnorm_quant, per_token_group_quant_fp8 (the library), ref.mla_rope_cache,
+//           ref.rmsnorm_quant (the host reference)
+//     what  a buffer of the op's params (named as in its struct; mla_rmsnorm_quant: kv_c and
+//           kv_c_out for its kv half, else its q half's names): one byte of it is flipped after the
+//           op ran (its first byte, or its last with `:last`); `counter`: error counter 0 gains
+//           one; `throw`: the op throws mlakv::Error; `skip`: the op is not run at all.
+//
+// CPU backend only: the flipped byte is written through the view's pointer.
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+
+#include "mlakv/mlakv.h"
+#include "reference/reference.h"
+
+namespace {
+
+struct Fault {
+  std::string op, what;
+  bool last = false;
+};
+
+// The fault asked for in MLAKV_FAULT, or an empty op.
+Fault requested_fault() {
+  Fault f;
+  const char* env = std::getenv("MLAKV_FAULT");
+  if (env == nullptr) return f;
+  const std::string spec(env);
+  const size_t colon = spec.find(':');
+  MLAKV_CHECK(colon != std::string::npos, "MLAKV_FAULT: expected <op>:<what>[:last], got '", spec,
+              "'");
+  f.op = spec.substr(0, colon);
+  f.what = spec.substr(colon + 1);
+  const std::string suffix = ":last";
+  if (f.what.size() > suffix.size() &&
+      f.what.compare(f.what.size() - suffix.size(), suffix.size(), suffix) == 0) {
+    f.what.resize(f.what.size() - suffix.size());
+    f.last = true;
+  }
+  return f;
+}
+
+const Fault& fault() {
+  static const Fault f = requested_fault();
+  return f;
+}
+
+bool faulting(const char* op) { return fault().op == op; }
+
+void flip(void* data, int64_t offset_bytes) { static_cast<uint8_t*>(data)[offset_bytes] ^= 0x01; }
+
+// Flips the first or the last byte a view spans; an absent view is left alone (a fault that
+// changes nothing fails its test).
+void flip(const mlakv::TensorView& v) {
+  if (!v.present() || v.numel() == 0) return;
+  MLAKV_CHECK(v.device.type == mlakv::DeviceType::kCPU, "MLAKV_FAULT: CPU views only");
+  int64_t offset = 0;
+  if (fault().last) {
+    const int64_t elem = static_cast<int64_t>(mlakv::dtype_size(v.dtype));
+    for (int d = 0; d < v.ndim; ++d) offset += (v.shape[d] - 1) * v.stride[d] * elem;
+    offset += elem - 1;
+  }
+  flip(v.data, offset);
+}
+
+// Flips the first or the last byte of the (latent or combined) cache.
+void flip(const mlakv::KVCacheView& c) {
+  MLAKV_CHECK(c.device.type == mlakv::DeviceType::kCPU, "MLAKV_FAULT: CPU caches only");
+  flip(c.data, fault().last ? c.num_blocks * c.stride_block_bytes - 1 : 0);
+}
+
+// Before the op: throw or skip it. Returns whether the op is to run.
+bool before(const char* op) {
+  if (!faulting(op)) return true;
+  if (fault().what == "throw") MLAKV_FAIL("MLAKV_FAULT: ", op, " throws as asked");
+  return fault().what != "skip";
+}
+
+void bump_counter(int32_t* error_counts) {
+  MLAKV_CHECK(error_counts != nullptr, "MLAKV_FAULT: the op has no error counters");
+  error_counts[0] += 1;
+}
+
+[[noreturn]] void unknown(const char* op) {
+  MLAKV_FAIL("MLAKV_FAULT: ", op, " has no buffer '", fault().what, "'");
+}
+
+void corrupt(const char* op, const mlakv::MlaRopeCacheParams& p, int32_t* error_counts) {
+  if (!faulting(op)) return;
+  const std::string& w = fault().what;
+  const std::pair<const char*, const mlakv::TensorView*> views[] = {
+      {"positions", &p.positions},
+      {"slot_mapping", &p.slot_mapping},
+      {"cos_sin_cache", &p.cos_sin_cache},
+      {"kv_c", &p.kv_c},
+      {"k_pe", &p.k_pe},
+      {"kv_norm_weight", &p.kv_norm_weight},
+      {"k_pe_out", &p.k_pe_out},
+      {"kv_c_out", &p.kv_c_out},
+      {"q_pe", &p.q_pe},
+      {"ql_nope", &p.ql_nope},
+      {"q_out", &p.q_out},
+      {"q", &p.q},
+      {"q_prefill_out", &p.q_prefill_out}};
+  for (const auto& [name, view] : views) {
+    if (w == name) return flip(*view);
+  }
+  if (w == "kv_cache") return flip(p.kv_cache);
+  if (w == "counter") return bump_counter(error_counts);
+  if (w == "num_decode_tokens_device") {
+    // Only the cases with a device Td have one; the others run unchanged.
+    if (p.num_decode_tokens_device != nullptr) {
+      flip(const_cast<int32_t*>(p.num_decode_tokens_device), fault().last ? 3 : 0);
+    }
+    return;
+  }
+  if (w != "throw" && w != "skip") unknown(op);
+}
+
+void corrupt(const char* op, const mlakv::RmsNormQuantParams& p) {
+  if (!faulting(op)) return;
+  const std::string& w = fault().what;
+  if (w == "input") return flip(p.input);
+  if (w == "normed_out") return flip(p.normed_out);
+  if (w == "values") return flip(p.quant.values);
+  if (w == "scales") return flip(p.quant.scales);
+  if (w != "throw" && w != "skip") unknown(op);
+}
+
+void corrupt(const char* op, const mlakv::RmsNormParams& p) {
+  if (!faulting(op)) return;
+  const std::string& w = fault().what;
+  if (w == "input") return flip(p.input);
+  if (w == "output") return flip(p.output);
+  if (w != "throw" && w != "skip") unknown(op);
+}
+
+// mla_rmsnorm_quant: `kv_c` and `kv_c_out` name its kv half; the other names its q half.
+void corrupt(const char* op, const mlakv::MlaRmsNormQuantParams& p) {
+  if (!faulting(op)) return;
+  if (fault().what == "kv_c") return flip(p.kv.input);
+  if (fault().what == "kv_c_out") return flip(p.kv.output);
+  corrupt(op, p.q);
+}
+
+}  // namespace
+
+// The wrapped symbols: `--wrap=S` sends the tool's calls of S to __wrap_S; __real_S is the op.
+extern "C" {
+
+#define MLAKV_FAULT_WRAP(mangled, Params, op, ...)                    \
+  void __real_##mangled(const Params&, const mlakv::Context&);        \
+  void __wrap_##mangled(const Params& p, const mlakv::Context& ctx) { \
+    if (before(op)) __real_##mangled(p, ctx);                         \
+    __VA_ARGS__;                                                      \
+  }
+
+MLAKV_FAULT_WRAP(_ZN5mlakv14mla_rope_cacheERKNS_18MlaRopeCacheParamsERKNS_7ContextE,
+                 mlakv::MlaRopeCacheParams, "mla_rope_cache",
+                 corrupt("mla_rope_cache", p, ctx.error_counts))
+MLAKV_FAULT_WRAP(_ZN5mlakv20concat_and_cache_mlaERKNS_23ConcatAndCacheMlaParamsERKNS_7ContextE,
+                 mlakv::ConcatAndCacheMlaParams, "concat_and_cache_mla",
+                 if (faulting("concat_and_cache_mla") && fault().what == "kv_cache")
+                     flip(p.kv_cache))
+MLAKV_FAULT_WRAP(_ZN5mlakv15decode_q_concatERKNS_19DecodeQConcatParamsERKNS_7ContextE,
+                 mlakv::DecodeQConcatParams, "decode_q_concat",
+                 if (faulting("decode_q_concat") && fault().what == "q_out") flip(p.q_out))
+MLAKV_FAULT_WRAP(_ZN5mlakv16rotary_embeddingERKNS_21RotaryEmbeddingParamsERKNS_7ContextE,
+                 mlakv::RotaryEmbeddingParams, "rotary_embedding",
+                 if (faulting("rotary_embedding") && fault().what == "query") flip(p.query))
+MLAKV_FAULT_WRAP(_ZN5mlakv8rms_normERKNS_13RmsNormParamsERKNS_7ContextE, mlakv::RmsNormParams,
+                 "rms_norm", corrupt("rms_norm", p))
+MLAKV_FAULT_WRAP(_ZN5mlakv13rmsnorm_quantERKNS_18RmsNormQuantParamsERKNS_7ContextE,
+                 mlakv::RmsNormQuantParams, "rmsnorm_quant", corrupt("rmsnorm_quant", p))
+MLAKV_FAULT_WRAP(_ZN5mlakv17mla_rmsnorm_quantERKNS_21MlaRmsNormQuantParamsERKNS_7ContextE,
+                 mlakv::MlaRmsNormQuantParams, "mla_rmsnorm_quant", corrupt("mla_rmsnorm_quant", p))
+MLAKV_FAULT_WRAP(
+    _ZN5mlakv25per_token_group_quant_fp8ERKNS_24PerTokenGroupQuantParamsERKNS_7ContextE,
+    mlakv::PerTokenGroupQuantParams, "per_token_group_quant_fp8",
+    if (faulting("per_token_group_quant_fp8") && fault().what == "scales") flip(p.quant.scales))
+
+#undef MLAKV_FAULT_WRAP
+
+// The host reference (tests/reference): its outputs are what the tool compares against.
+void __real__ZN5mlakv3ref14mla_rope_cacheERKNS_18MlaRopeCacheParamsEPi(
+    const mlakv::MlaRopeCacheParams&, int32_t*);
+void __wrap__ZN5mlakv3ref14mla_rope_cacheERKNS_18MlaRopeCacheParamsEPi(
+    const mlakv::MlaRopeCacheParams& p, int32_t* error_counts) {
+  if (before("ref.mla_rope_cache")) {
+    __real__ZN5mlakv3ref14mla_rope_cacheERKNS_18MlaRopeCacheParamsEPi(p, error_counts);
+  }
+  corrupt("ref.mla_rope_cache", p, error_counts);
+}
+
+void __real__ZN5mlakv3ref13rmsnorm_quantERKNS_18RmsNormQuantParamsE(
+    const mlakv::RmsNormQuantParams&);
+void __wrap__ZN5mlakv3ref13rmsnorm_quantERKNS_18RmsNormQuantParamsE(
+    const mlakv::RmsNormQuantParams& p) {
+  if (before("ref.rmsnorm_quant"))
+    __real__ZN5mlakv3ref13rmsnorm_quantERKNS_18RmsNormQuantParamsE(p);
+  corrupt("ref.rmsnorm_quant", p);
+}
+
+}  // extern "C"
