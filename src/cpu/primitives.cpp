@@ -143,7 +143,6 @@ void concat_and_cache_mla(const core::ConcatAndCacheMlaArgs& args, const Context
 
 void decode_q_concat(const core::DecodeQConcatArgs& args, const Context& ctx) {
   if (args.num_tokens <= 0 || args.num_heads <= 0) return;
-  if (args.ql_nope == nullptr && args.q_pe == nullptr) return;  // both parts already in q_out
   detail::dispatch_model_dtype(args.model_dtype, "ql_nope", [&](auto model_tag) {
     using T = decltype(model_tag);
     detail::dispatch_value_dtype(args.q_out_dtype, "q_out", [&](auto q_out_tag) {

@@ -299,7 +299,6 @@ void concat_and_cache_mla(const core::ConcatAndCacheMlaArgs& args, const Context
 
 void decode_q_concat(const core::DecodeQConcatArgs& args, const Context& ctx) {
   if (args.num_heads <= 0) return;
-  if (args.ql_nope == nullptr && args.q_pe == nullptr) return;  // both parts already in q_out
   core::MlaRopeCacheArgs a;
   a.num_tokens = args.num_tokens;
   a.num_heads = args.num_heads;
