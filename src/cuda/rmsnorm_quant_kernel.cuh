@@ -230,9 +230,15 @@ __device__ __forceinline__ uint2 encode_e4m3(const Bits<T>& y, float scale) {
 // five levels are two instructions each (skipping the no-op levels by a uniform branch measured
 // slower on the H200: q_c T = 1024 4.36 -> 4.43 us). The inputs are >= +0 and never NaN, so
 // fmaxf is `other > v ? other : v`, and the result is order-free.
+// kLanes > 0: the offsets are compile-time constants (quant_groups_fixed), and the no-op levels
+// fold away.
+template <int kLanes = 0>
 __device__ __forceinline__ float group_max_xor(float v, const int (&offsets)[5]) {
 #pragma unroll
-  for (int l = 0; l < 5; ++l) v = fmaxf(v, __shfl_xor_sync(kFullMask, v, offsets[l]));
+  for (int l = 0; l < 5; ++l) {
+    if (kLanes > 0 && offsets[l] == 0) continue;
+    v = fmaxf(v, __shfl_xor_sync(kFullMask, v, offsets[l]));
+  }
   return v;
 }
 
@@ -256,6 +262,20 @@ __device__ __forceinline__ QuantGroups quant_groups(const core::RmsNormQuantTask
 #pragma unroll
   for (int l = 0; l < 5; ++l) g.xor_offsets[l] = (kWarpSize / 2 >> l) & (lanes_per_group - 1);
   g.first_lane = (tid & (lanes_per_group - 1)) == 0;
+  return g;
+}
+
+// quant_groups for a compile-time group of kLanes lanes (a power of two, G = 8 kLanes).
+template <int kLanes>
+__device__ __forceinline__ QuantGroups quant_groups_fixed(const core::RmsNormQuantTask& task,
+                                                          int threads, int tid) {
+  static_assert(kLanes >= 2 && kLanes <= kWarpSize && (kLanes & (kLanes - 1)) == 0, "G / 8");
+  QuantGroups g;
+  g.scale_step = static_cast<int64_t>(threads / kLanes) * task.stride_scales_group;
+  g.first_scale = static_cast<int64_t>(tid / kLanes) * task.stride_scales_group;
+#pragma unroll
+  for (int l = 0; l < 5; ++l) g.xor_offsets[l] = (kWarpSize / 2 >> l) & (kLanes - 1);
+  g.first_lane = (tid & (kLanes - 1)) == 0;
   return g;
 }
 
@@ -441,6 +461,7 @@ __device__ __forceinline__ bool bits_in(float v, uint32_t lo, uint32_t hi) {
 //   such scales), no branch but the one into the exact path.
 //   Exact path (any other chunk pair): num::group_scale and encode_chunk_exact_words, element by
 //   element.
+template <int kLanes>
 __device__ __forceinline__ void quantize_two_bf16_chunks(
     const Bits<num::Bf16> (&y)[kRmsqRowsPerBlock], const int (&xor_offsets)[5],
     const Divisor& by_e4m3_max, float scale_floor, bool pow2, uint8_t* q, int64_t dq,
@@ -458,8 +479,11 @@ __device__ __forceinline__ void quantize_two_bf16_chunks(
   }
   uint32_t both = bf16x2_max(__byte_perm(m[0], m[1], 0x5410), __byte_perm(m[0], m[1], 0x7632));
 #pragma unroll
-  for (int l = 0; l < 5; ++l)
+  for (int l = 0; l < 5; ++l) {
+    // A compile-time group (kLanes > 0) has constant offsets: its no-op levels fold away.
+    if (kLanes > 0 && xor_offsets[l] == 0) continue;
     both = bf16x2_max(both, __shfl_xor_sync(kFullMask, both, xor_offsets[l]));
+  }
   const float amax[kRows] = {__uint_as_float(both << 16), __uint_as_float(both & 0xffff0000u)};
   // Both halves of `both` in [2^-60, 2^60] (bf16 0x2180 .. 0x5d80), as in bf16_chunk_range.
   bool fast = (bad | (((both + 0x227f227fu) | ~(both + 0x5e805e80u)) & 0x80008000u)) == 0u;
@@ -564,7 +588,8 @@ __device__ __forceinline__ void stage_weight(const core::RmsNormQuantTask& task,
 // kNormed: a normed_out (compile-time, so that no register moves merge the paths with and without
 // them).
 // s: the rows' x chunks (load_two_rows), replaced by the residual sums.
-template <typename T, int kN, int kThreads, bool kNormalize, bool kResidual, bool kNormed>
+template <typename T, int kN, int kThreads, bool kNormalize, bool kResidual, bool kNormed,
+          int kLanes = 0>
 __device__ __forceinline__ void rmsq_two_rows(
     const core::RmsNormQuantTask& task, int64_t t0,
     Bits<T> (&s)[kRmsqRowsPerBlock][kRowsChunks<kN, kThreads>], uint4* smem16, float* s_part) {
@@ -677,15 +702,22 @@ __device__ __forceinline__ void rmsq_two_rows(
   T* normed =
       kNormed ? static_cast<T*>(task.normed_out) + t0 * task.stride_normed_out_token + e0 : nullptr;
   const int64_t dnormed = has_b ? task.stride_normed_out_token : 0;
-  uint8_t* q = task.quant_values != nullptr
+  // kLanes > 0: the task quantizes, in groups of 8 kLanes (rmsq_two_rows_of).
+  uint8_t* q = kLanes > 0 || task.quant_values != nullptr
                    ? task.quant_values + t0 * task.stride_quant_values_token + e0
                    : nullptr;
   const int64_t dq = has_b ? task.stride_quant_values_token : 0;
-  const QuantGroups groups = quant_groups(task, kThreads, tid);
+  QuantGroups groups;
+  if constexpr (kLanes > 0) {
+    groups = quant_groups_fixed<kLanes>(task, kThreads, tid);
+  } else {
+    groups = quant_groups(task, kThreads, tid);
+  }
   const int64_t scale_step = groups.scale_step;
   const bool stores_scale = groups.first_lane;
-  float* scale_ptr =
-      q != nullptr ? task.scales + t0 * task.stride_scales_token + groups.first_scale : nullptr;
+  float* scale_ptr = kLanes > 0 || q != nullptr
+                         ? task.scales + t0 * task.stride_scales_token + groups.first_scale
+                         : nullptr;
   const int64_t dscale = has_b ? task.stride_scales_token : 0;
   const Divisor by_e4m3_max = make_divisor(num::kE4M3Max);
 #pragma unroll
@@ -716,19 +748,19 @@ __device__ __forceinline__ void rmsq_two_rows(
       for (int row = 0; row < kRows; ++row)
         store_bits_cs(normed + row * dnormed + i * kStep, y[row]);
     }
-    if (q == nullptr) continue;
+    if (kLanes == 0 && q == nullptr) continue;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
     if constexpr (kPackedAmax) {
-      quantize_two_bf16_chunks(y, groups.xor_offsets, by_e4m3_max, task.scale_floor,
-                               task.pow2_scale, q + i * kStep, dq, scale_ptr + i * scale_step,
-                               dscale, stores_scale);
+      quantize_two_bf16_chunks<kLanes>(y, groups.xor_offsets, by_e4m3_max, task.scale_floor,
+                                       task.pow2_scale, q + i * kStep, dq,
+                                       scale_ptr + i * scale_step, dscale, stores_scale);
     } else  // NOLINT(readability/braces)
 #endif
     {
       // The group amax of each row (num::amax_update: the largest non-NaN |y|, >= +0).
 #pragma unroll
       for (int row = 0; row < kRows; ++row) {
-        const float a = group_max_xor(chunk_amax(y[row]), groups.xor_offsets);
+        const float a = group_max_xor<kLanes>(chunk_amax(y[row]), groups.xor_offsets);
         const float scale = num::group_scale(a, task.scale_floor, task.pow2_scale);
         __stcs(reinterpret_cast<uint2*>(q + row * dq + i * kStep), encode_e4m3(y[row], scale));
         if (stores_scale) __stcs(scale_ptr + row * dscale + i * scale_step, scale);
@@ -737,10 +769,13 @@ __device__ __forceinline__ void rmsq_two_rows(
   }
 }
 
+// The group size whose lanes rmsq_two_rows_of compiles in (kLanes).
+constexpr int64_t kRmsqFixedGroup = 128;
+
 // The configurations the exact-fit kernel is compiled for (launch_exact_fit checks them on the
 // host): a weight with or without a residual and a normed_out, or neither of the three
 // (per_token_group_quant_fp8).
-template <typename T, int kN, int kThreads>
+template <typename T, int kN, int kThreads, bool kFixedGroup>
 __device__ __forceinline__ void rmsq_two_rows_of(const core::RmsNormQuantTask& task, int64_t t0,
                                                  uint4* smem16, float* s_part) {
   Bits<T> s[kRmsqRowsPerBlock][kRowsChunks<kN, kThreads>];
@@ -750,8 +785,18 @@ __device__ __forceinline__ void rmsq_two_rows_of(const core::RmsNormQuantTask& t
   }
   const bool residual = task.residual != nullptr;
   const bool normed = task.normed_out != nullptr;
+  // The common group size (DeepSeek-V3's 128) compiled in, for the two variants without a
+  // residual or normed_out (per_token_group_quant_fp8, and q_c's rmsnorm_quant), in the instances
+  // whose kFixedGroup is set (rmsnorm_quant_rows says which).
+  const bool g128 =
+      kFixedGroup && task.quant_values != nullptr && task.group_size == kRmsqFixedGroup;
+  constexpr int kLanes = kRmsqFixedGroup / kChunkElems;
   if (task.weight == nullptr) {
-    rmsq_two_rows<T, kN, kThreads, false, false, false>(task, t0, s, smem16, s_part);
+    if (g128) {
+      rmsq_two_rows<T, kN, kThreads, false, false, false, kLanes>(task, t0, s, smem16, s_part);
+    } else {
+      rmsq_two_rows<T, kN, kThreads, false, false, false>(task, t0, s, smem16, s_part);
+    }
   } else if (residual) {
     if (normed) {
       rmsq_two_rows<T, kN, kThreads, true, true, true>(task, t0, s, smem16, s_part);
@@ -760,6 +805,8 @@ __device__ __forceinline__ void rmsq_two_rows_of(const core::RmsNormQuantTask& t
     }
   } else if (normed) {
     rmsq_two_rows<T, kN, kThreads, true, false, true>(task, t0, s, smem16, s_part);
+  } else if (g128) {
+    rmsq_two_rows<T, kN, kThreads, true, false, false, kLanes>(task, t0, s, smem16, s_part);
   } else {
     rmsq_two_rows<T, kN, kThreads, true, false, false>(task, t0, s, smem16, s_part);
   }
@@ -775,15 +822,23 @@ __device__ __forceinline__ void rmsnorm_quant_rows(const RmsNormQuantKernelParam
   extern __shared__ uint4 smem16[];
   static_assert(kN1 <= kN0, "task 0 has the wider rows");
   __shared__ float s_part[kRmsqRowsPerBlock * kN0 / (kWarpSize * kChunkElems)];
+  // The group of 128 compiled in only where it was measured faster: the forms whose threads hold
+  // one or two chunks of a row (q_c T <= 4096: 2-8 % on the H200, perf-notes run 103). The
+  // few-thread form (more chunks a thread, q_c T >= 8192) lost 1-2 % with it, and the
+  // register-capped instances (rmsnorm_quant_rows_kernel_bounded) spilled (40 registers: 12 bytes
+  // a thread): both keep the run-time group, and compile to the code they had without it.
+  constexpr bool kFixedGroup =
+      kRmsqRowsMinBlocks<T, kN0, kN1, kThreads0> == 0 && kRowsChunks<kN0, kThreads0> <= 2;
   pdl_wait();
   pdl_launch_dependents();
   const int64_t block = static_cast<int64_t>(blockIdx.x);
   if (kN1 > 0 && block >= params.num_blocks_first) {
     if (kThreads1 < kThreads0 && threadIdx.x >= kThreads1) return;
-    rmsq_two_rows_of<T, (kN1 > 0 ? kN1 : kN0), kThreads1>(
+    rmsq_two_rows_of<T, (kN1 > 0 ? kN1 : kN0), kThreads1, kFixedGroup>(
         params.tasks[1], kRmsqRowsPerBlock * (block - params.num_blocks_first), smem16, s_part);
   } else {
-    rmsq_two_rows_of<T, kN0, kThreads0>(params.tasks[0], kRmsqRowsPerBlock * block, smem16, s_part);
+    rmsq_two_rows_of<T, kN0, kThreads0, kFixedGroup>(params.tasks[0], kRmsqRowsPerBlock * block,
+                                                     smem16, s_part);
   }
 }
 
