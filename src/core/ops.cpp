@@ -115,8 +115,11 @@ void decode_q_concat(const DecodeQConcatParams& params, const Context& ctx) {
   const char* op = "decode_q_concat";
   Device device;
   const core::DecodeQConcatArgs args = core::validate_decode_q_concat(op, params, ctx, &device);
-  if (args.ql_nope == nullptr && args.q_pe == nullptr) return;  // both parts already in q_out
-  run_checked(op, device, ctx, [&] { MLAKV_DISPATCH(decode_q_concat, device, args, ctx); });
+  run_checked(op, device, ctx, [&] {
+    // Both parts already in q_out: nothing to do (inside run_checked, which still synchronizes).
+    if (args.ql_nope == nullptr && args.q_pe == nullptr) return;
+    MLAKV_DISPATCH(decode_q_concat, device, args, ctx);
+  });
 }
 
 void rms_norm(const RmsNormParams& params, const Context& ctx) {
