@@ -574,21 +574,32 @@ TEST_P(RmsNormQuantTest, ExactFitAndGenericWidths) {
 }
 
 // The exact-fit widths' two configurations without a residual or normed_out (rmsnorm_quant of q_c,
-// and per_token_group_quant_fp8) in each CUDA thread form of N = 1536 (T = 5, 3001, 4501: one, two
-// and three chunks a thread), with DeepSeek-V3's group of 128 and another group size. The CPU
-// backend has no thread forms: it runs the smallest T only.
+// and per_token_group_quant_fp8) in each CUDA thread form of each width, with DeepSeek-V3's group
+// of 128 (compiled into the forms of one or two chunks a thread) and another group size: N = 1536
+// at T = 5, 3001, 4501 (one, two and three chunks a thread), N = 1024 at T = 5 and 3001 (one, and
+// two in 64 threads), N = 512 (one chunk in 64 threads). The CPU backend has no thread forms: it
+// runs the smallest T only.
 TEST_P(RmsNormQuantTest, ExactFitWithoutResidualOrNormedOut) {
   uint64_t seed = 2000;
-  for (DType dt : {DType::kBFloat16, DType::kFloat16}) {
-    for (int64_t T : {5, 3001, 4501}) {
-      if (T > 5 && device().type == DeviceType::kCPU) continue;
-      for (int64_t G : {128, 64}) {
-        Case c = make_case("plain", dt, 1536, T);
-        c.group_size = G;
-        c.layout = T == 3001 ? ScaleLayout::kColumnMajor : ScaleLayout::kRowMajor;
-        c.pow2 = G == 64;
-        run_rmsnorm_quant(c, ++seed);
-        run_group_quant(c, ++seed);
+  struct Width {
+    int64_t N;
+    std::vector<int64_t> token_counts;
+  };
+  const Width widths[] = {{1536, {5, 3001, 4501}}, {1024, {5, 3001}}, {512, {5, 3001}}};
+  for (DType dt : {DType::kBFloat16, DType::kFloat16, DType::kFloat32}) {
+    for (const Width& w : widths) {
+      // float32 rows: the two chunk forms of N = 1536 only (the others as for 16-bit rows).
+      if (dt == DType::kFloat32 && w.N != 1536) continue;
+      for (int64_t T : w.token_counts) {
+        if (T > 5 && device().type == DeviceType::kCPU) continue;
+        for (int64_t G : {128, 64}) {
+          Case c = make_case("plain", dt, w.N, T);
+          c.group_size = G;
+          c.layout = T == 3001 ? ScaleLayout::kColumnMajor : ScaleLayout::kRowMajor;
+          c.pow2 = G == 64;
+          run_rmsnorm_quant(c, ++seed);
+          run_group_quant(c, ++seed);
+        }
       }
     }
   }
