@@ -822,15 +822,16 @@ __device__ __forceinline__ void rmsnorm_quant_rows(const RmsNormQuantKernelParam
   extern __shared__ uint4 smem16[];
   static_assert(kN1 <= kN0, "task 0 has the wider rows");
   __shared__ float s_part[kRmsqRowsPerBlock * kN0 / (kWarpSize * kChunkElems)];
-  // The group of 128 compiled in where a thread holds one or two chunks of a row: q_c's (N = 1536)
-  // one- and two-chunk forms (T <= 4096: 2-8 % faster on the H200, perf-notes run 103), and every
-  // form of N = 512 and 1024 (not measured). N = 1536's few-thread form (three chunks a thread,
-  // q_c T >= 8192) lost 1-2 % with it, and the register-capped instances
-  // (rmsnorm_quant_rows_kernel_bounded) spilled (40 registers: 12 bytes a thread): both keep the
-  // run-time group, and compile to the code they had without it. (Task 1 of the dual form, kv_c,
-  // never quantizes: its fixed-group path is compiled but never taken.)
-  constexpr bool kFixedGroup =
-      kRmsqRowsMinBlocks<T, kN0, kN1, kThreads0> == 0 && kRowsChunks<kN0, kThreads0> <= 2;
+  // The group of 128 compiled in only where the H200 ran it (perf-notes run 103): 16-bit rows of
+  // N = 1536 in the forms where a thread holds one or two chunks of a row (q_c T <= 4096: 2-8 %
+  // faster), and of N = 512 (one chunk in 64 threads). N = 1536's few-thread form (three chunks a
+  // thread, q_c T >= 8192) lost 1-2 % with it, and the register-capped instances
+  // (rmsnorm_quant_rows_kernel_bounded) spilled (40 registers: 12 bytes a thread). Those, float32
+  // rows and N = 1024 keep the run-time group, and compile to the code they had without it.
+  // (Task 1 of the dual form, kv_c, never quantizes: its fixed-group path is never taken.)
+  constexpr bool kFixedGroup = kRmsqRowsMinBlocks<T, kN0, kN1, kThreads0> == 0 &&
+                               kRowsChunks<kN0, kThreads0> <= 2 && sizeof(T) == 2 &&
+                               (kN0 == 1536 || kN0 == 512);
   pdl_wait();
   pdl_launch_dependents();
   const int64_t block = static_cast<int64_t>(blockIdx.x);
