@@ -576,10 +576,9 @@ TEST_P(RmsNormQuantTest, ExactFitAndGenericWidths) {
 // The exact-fit widths' two configurations without a residual or normed_out (rmsnorm_quant of q_c,
 // and per_token_group_quant_fp8) in each CUDA thread form of each width, with DeepSeek-V3's group
 // of 128 (a compile-time constant in some instances: rmsnorm_quant_rows says which; the run-time
-// group in the others) and another group size: N = 1536
-// at T = 5, 3001, 4501 (one, two and three chunks a thread), N = 1024 at T = 5 and 3001 (one, and
-// two in 64 threads), N = 512 (one chunk in 64 threads). The CPU backend has no thread forms: it
-// runs the smallest T only.
+// group in the others) and another group size: N = 1536 at T = 5, 3001, 4501 (one, two and three
+// chunks a thread), N = 1024 at T = 5 and 3001 (one, and two in 64 threads), N = 512 (one chunk
+// in 64 threads). The CPU backend has no thread forms: it runs the smallest T only.
 TEST_P(RmsNormQuantTest, ExactFitWithoutResidualOrNormedOut) {
   uint64_t seed = 2000;
   struct Width {
