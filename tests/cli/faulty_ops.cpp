@@ -17,7 +17,9 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <initializer_list>
 #include <string>
+#include <utility>
 
 #include "mlakv/mlakv.h"
 #include "reference/reference.h"
@@ -94,26 +96,21 @@ void bump_counter(int32_t* error_counts) {
   MLAKV_FAIL("MLAKV_FAULT: ", op, " has no buffer '", fault().what, "'");
 }
 
-void corrupt(const char* op, const mlakv::MlaRopeCacheParams& p, int32_t* error_counts) {
-  if (!faulting(op)) return;
+using NamedViews = std::initializer_list<std::pair<const char*, const mlakv::TensorView*>>;
+
+// Flips the view the fault names among `views`; `throw` and `skip` acted before the op, and any
+// other name is an error.
+void flip_named(const char* op, NamedViews views) {
   const std::string& w = fault().what;
-  const std::pair<const char*, const mlakv::TensorView*> views[] = {
-      {"positions", &p.positions},
-      {"slot_mapping", &p.slot_mapping},
-      {"cos_sin_cache", &p.cos_sin_cache},
-      {"kv_c", &p.kv_c},
-      {"k_pe", &p.k_pe},
-      {"kv_norm_weight", &p.kv_norm_weight},
-      {"k_pe_out", &p.k_pe_out},
-      {"kv_c_out", &p.kv_c_out},
-      {"q_pe", &p.q_pe},
-      {"ql_nope", &p.ql_nope},
-      {"q_out", &p.q_out},
-      {"q", &p.q},
-      {"q_prefill_out", &p.q_prefill_out}};
   for (const auto& [name, view] : views) {
     if (w == name) return flip(*view);
   }
+  if (w != "throw" && w != "skip") unknown(op);
+}
+
+void corrupt(const char* op, const mlakv::MlaRopeCacheParams& p, int32_t* error_counts) {
+  if (!faulting(op)) return;
+  const std::string& w = fault().what;
   if (w == "kv_cache") return flip(p.kv_cache);
   if (w == "counter") return bump_counter(error_counts);
   if (w == "num_decode_tokens_device") {
@@ -123,25 +120,32 @@ void corrupt(const char* op, const mlakv::MlaRopeCacheParams& p, int32_t* error_
     }
     return;
   }
-  if (w != "throw" && w != "skip") unknown(op);
+  flip_named(op, {{"positions", &p.positions},
+                  {"slot_mapping", &p.slot_mapping},
+                  {"cos_sin_cache", &p.cos_sin_cache},
+                  {"kv_c", &p.kv_c},
+                  {"k_pe", &p.k_pe},
+                  {"kv_norm_weight", &p.kv_norm_weight},
+                  {"k_pe_out", &p.k_pe_out},
+                  {"kv_c_out", &p.kv_c_out},
+                  {"q_pe", &p.q_pe},
+                  {"ql_nope", &p.ql_nope},
+                  {"q_out", &p.q_out},
+                  {"q", &p.q},
+                  {"q_prefill_out", &p.q_prefill_out}});
 }
 
 void corrupt(const char* op, const mlakv::RmsNormQuantParams& p) {
   if (!faulting(op)) return;
-  const std::string& w = fault().what;
-  if (w == "input") return flip(p.input);
-  if (w == "normed_out") return flip(p.normed_out);
-  if (w == "values") return flip(p.quant.values);
-  if (w == "scales") return flip(p.quant.scales);
-  if (w != "throw" && w != "skip") unknown(op);
+  flip_named(op, {{"input", &p.input},
+                  {"normed_out", &p.normed_out},
+                  {"values", &p.quant.values},
+                  {"scales", &p.quant.scales}});
 }
 
 void corrupt(const char* op, const mlakv::RmsNormParams& p) {
   if (!faulting(op)) return;
-  const std::string& w = fault().what;
-  if (w == "input") return flip(p.input);
-  if (w == "output") return flip(p.output);
-  if (w != "throw" && w != "skip") unknown(op);
+  flip_named(op, {{"input", &p.input}, {"output", &p.output}});
 }
 
 // mla_rmsnorm_quant: `kv_c` and `kv_c_out` name its kv half; the other names its q half.
