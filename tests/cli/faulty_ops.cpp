@@ -11,7 +11,8 @@
 //     what  a buffer of the op's params (named as in its struct; mla_rmsnorm_quant: kv_c and
 //           kv_c_out for its kv half, else its q half's names): one byte of it is flipped after the
 //           op ran (its first byte, or its last with `:last`); `counter`: error counter 0 gains
-//           one; `throw`: the op throws mlakv::Error; `skip`: the op is not run at all.
+//           one; `throw`: the op throws mlakv::Error; `skip`: the op is not run at all. A name
+//           the op does not fault (a misspelling) makes it throw "has no buffer" after it ran.
 //
 // CPU backend only: the flipped byte is written through the view's pointer.
 #include <cstdint>
@@ -108,6 +109,18 @@ void flip_named(const char* op, NamedViews views) {
   if (w != "throw" && w != "skip") unknown(op);
 }
 
+// The ops with one buffer to corrupt: `name` flips it, any other name but `throw` / `skip` is an
+// error.
+void corrupt_one(const char* op, const char* name, const mlakv::TensorView& view) {
+  if (faulting(op)) flip_named(op, {{name, &view}});
+}
+
+void corrupt(const char* op, const mlakv::ConcatAndCacheMlaParams& p) {
+  if (!faulting(op)) return;
+  if (fault().what == "kv_cache") return flip(p.kv_cache);
+  flip_named(op, {});
+}
+
 void corrupt(const char* op, const mlakv::MlaRopeCacheParams& p, int32_t* error_counts) {
   if (!faulting(op)) return;
   const std::string& w = fault().what;
@@ -173,14 +186,13 @@ MLAKV_FAULT_WRAP(_ZN5mlakv14mla_rope_cacheERKNS_18MlaRopeCacheParamsERKNS_7Conte
                  corrupt("mla_rope_cache", p, ctx.error_counts))
 MLAKV_FAULT_WRAP(_ZN5mlakv20concat_and_cache_mlaERKNS_23ConcatAndCacheMlaParamsERKNS_7ContextE,
                  mlakv::ConcatAndCacheMlaParams, "concat_and_cache_mla",
-                 if (faulting("concat_and_cache_mla") && fault().what == "kv_cache")
-                     flip(p.kv_cache))
+                 corrupt("concat_and_cache_mla", p))
 MLAKV_FAULT_WRAP(_ZN5mlakv15decode_q_concatERKNS_19DecodeQConcatParamsERKNS_7ContextE,
                  mlakv::DecodeQConcatParams, "decode_q_concat",
-                 if (faulting("decode_q_concat") && fault().what == "q_out") flip(p.q_out))
+                 corrupt_one("decode_q_concat", "q_out", p.q_out))
 MLAKV_FAULT_WRAP(_ZN5mlakv16rotary_embeddingERKNS_21RotaryEmbeddingParamsERKNS_7ContextE,
                  mlakv::RotaryEmbeddingParams, "rotary_embedding",
-                 if (faulting("rotary_embedding") && fault().what == "query") flip(p.query))
+                 corrupt_one("rotary_embedding", "query", p.query))
 MLAKV_FAULT_WRAP(_ZN5mlakv8rms_normERKNS_13RmsNormParamsERKNS_7ContextE, mlakv::RmsNormParams,
                  "rms_norm", corrupt("rms_norm", p))
 MLAKV_FAULT_WRAP(_ZN5mlakv13rmsnorm_quantERKNS_18RmsNormQuantParamsERKNS_7ContextE,
@@ -190,7 +202,7 @@ MLAKV_FAULT_WRAP(_ZN5mlakv17mla_rmsnorm_quantERKNS_21MlaRmsNormQuantParamsERKNS_
 MLAKV_FAULT_WRAP(
     _ZN5mlakv25per_token_group_quant_fp8ERKNS_24PerTokenGroupQuantParamsERKNS_7ContextE,
     mlakv::PerTokenGroupQuantParams, "per_token_group_quant_fp8",
-    if (faulting("per_token_group_quant_fp8") && fault().what == "scales") flip(p.quant.scales))
+    corrupt_one("per_token_group_quant_fp8", "scales", p.quant.scales))
 
 #undef MLAKV_FAULT_WRAP
 
