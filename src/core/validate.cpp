@@ -349,9 +349,11 @@ RopeTableArg rope_table(Validator& v, const char* name, const TensorView& t, int
 // (elements of out) places the input inside out's innermost dim (q_pe in q_out's rope part).
 bool exact_alias(Validator& v, const char* name, const TensorView& out, const char* in_name,
                  const TensorView& in, int64_t offset = 0) {
+  // Null first: an empty out may have no data, and no offset may be added to a null pointer.
+  if (out.data == nullptr || out.numel() == 0) return false;
   const uint8_t* at =
       static_cast<const uint8_t*>(out.data) + offset * static_cast<int64_t>(dtype_size(out.dtype));
-  if (out.data == nullptr || at != in.data || out.numel() == 0) return false;
+  if (at != in.data) return false;
   for (int d = 0; d + 1 < out.ndim; ++d) {
     // The stride of a size-1 dim is never used, so it need not match.
     MLAKV_ARG_CHECK(v, out.shape[d] <= 1 || out.stride[d] == in.stride[d], name, "may alias ",
