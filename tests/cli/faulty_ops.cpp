@@ -14,7 +14,8 @@
 //           one; `throw`: the op throws mlakv::Error; `skip`: the op is not run at all. A name
 //           the op does not fault (a misspelling) makes it throw "has no buffer" after it ran.
 //
-// CPU backend only: the flipped byte is written through the view's pointer.
+// CPU backend only: the flipped byte is written through the view's pointer. CMakeLists.txt passes
+// `--wrap` for every mangled mlakv name spelled in this file.
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
