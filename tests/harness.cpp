@@ -408,13 +408,12 @@ std::string counts_to_string(const std::vector<int32_t>& counts) {
 
 namespace {
 
-// `fill(params, on_host)` sets one side's params; `reference` runs on the host side's, `op` (the
-// backend) on the device side's.
+// `fill` sets both sides' params (fill_host_and_device); `reference` runs on the host side's, `op`
+// (the backend) on the device side's.
 template <typename Params, typename Fill, typename Ref, typename Op>
 BothCounts run_both(Device device, Fill fill, Ref reference, Op op) {
   Params host, dev;
-  fill(host, true);
-  fill(dev, false);
+  fill_host_and_device(host, dev, fill);
   std::vector<int32_t> expected(kNumErrorCounters, 0);
   reference(host, expected.data());
   ErrorCounts counts(device);
@@ -428,11 +427,11 @@ BothCounts run_both(Device device, Fill fill, Ref reference, Op op) {
 
 BothCounts gather_slots_both(const TestCache& cache, int64_t num_tokens, const Tensor& slots,
                              const Tensor& out) {
-  auto fill = [&](GatherCacheSlotsParams& p, bool on_host) {
-    p.num_tokens = num_tokens;
-    p.kv_cache = on_host ? cache.host_view() : cache.device_view();
-    p.slots = on_host ? slots.host_view() : slots.device_view();
-    p.out = on_host ? out.host_view() : out.device_view();
+  auto fill = [&](GatherCacheSlotsParams* p, auto v) {
+    p->num_tokens = num_tokens;
+    p->kv_cache = v(cache);
+    p->slots = v(slots);
+    p->out = v(out);
   };
   return run_both<GatherCacheSlotsParams>(
       cache.data->device(), fill,
@@ -443,13 +442,12 @@ BothCounts gather_slots_both(const TestCache& cache, int64_t num_tokens, const T
 BothCounts gather_sequences_both(const TestCache& cache, int64_t num_seqs,
                                  const Tensor& block_table, const Tensor& cu_seq_lens,
                                  const Tensor& out) {
-  auto fill = [&](GatherCacheSequencesParams& p, bool on_host) {
-    auto v = [&](const Tensor& t) { return on_host ? t.host_view() : t.device_view(); };
-    p.num_seqs = num_seqs;
-    p.kv_cache = on_host ? cache.host_view() : cache.device_view();
-    p.block_table = v(block_table);
-    p.cu_seq_lens = v(cu_seq_lens);
-    p.out = v(out);
+  auto fill = [&](GatherCacheSequencesParams* p, auto v) {
+    p->num_seqs = num_seqs;
+    p->kv_cache = v(cache);
+    p->block_table = v(block_table);
+    p->cu_seq_lens = v(cu_seq_lens);
+    p->out = v(out);
   };
   return run_both<GatherCacheSequencesParams>(
       cache.data->device(), fill,

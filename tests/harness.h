@@ -115,6 +115,15 @@ Tensor poisoned_tensor(Device device, DType dtype, std::vector<int64_t> shape);
 // uploaded.
 Tensor randomized(Tensor tensor, std::mt19937_64& rng, float amplitude = 2.0f);
 Tensor poisoned(Tensor tensor);
+
+// The same call's params on the host mirrors and on the device copies: fill(&host, view), then
+// fill(&device, view), where view(x) is x.host_view() the first time and x.device_view() the second
+// (a Tensor or a TestCache).
+template <typename Params, typename Fill>
+void fill_host_and_device(Params& host, Params& device, Fill&& fill) {
+  fill(&host, [](const auto& x) { return x.host_view(); });
+  fill(&device, [](const auto& x) { return x.device_view(); });
+}
 Tensor index_tensor(Device device, DType dtype, const std::vector<int64_t>& values);
 
 // ---- comparisons -------------------------------------------------------------------------------

@@ -120,14 +120,13 @@ TEST_P(ZeroTokens, RotaryEmbeddingWritesNothing) {
   Tensor cos_sin = random_tensor(dev, DType::kFloat32, {max_pos, rot_dim}, rng);
   ErrorCounts counts(dev);
   RotaryEmbeddingParams host, device;
-  for (auto [p, on_host] : {std::pair{&host, true}, std::pair{&device, false}}) {
-    auto v = [&](const Tensor& t) { return on_host ? t.host_view() : t.device_view(); };
+  fill_host_and_device(host, device, [&](auto* p, auto v) {
     p->num_tokens = 0;
     p->positions = v(positions);
     p->query = v(query);
     p->key = v(key);
     p->cos_sin_cache = v(cos_sin);
-  }
+  });
   std::vector<int32_t> expected(kNumErrorCounters, 0);
   ref::rotary_embedding(host, expected.data());
   Context ctx;
@@ -149,14 +148,13 @@ TEST_P(ZeroTokens, ConcatAndCacheWritesNothing) {
   Tensor slots = index_tensor(dev, DType::kInt64, {0, 5, 17});
   ErrorCounts counts(dev);
   ConcatAndCacheMlaParams host, device;
-  for (auto [p, on_host] : {std::pair{&host, true}, std::pair{&device, false}}) {
-    auto v = [&](const Tensor& t) { return on_host ? t.host_view() : t.device_view(); };
+  fill_host_and_device(host, device, [&](auto* p, auto v) {
     p->num_tokens = 0;
     p->kv_c = v(kv_c);
     p->k_pe = v(k_pe);
     p->slot_mapping = v(slots);
-    p->kv_cache = on_host ? cache.host_view() : cache.device_view();
-  }
+    p->kv_cache = v(cache);
+  });
   std::vector<int32_t> expected(kNumErrorCounters, 0);
   ref::concat_and_cache_mla(host, expected.data());
   Context ctx;
@@ -177,13 +175,12 @@ TEST_P(ZeroTokens, DecodeQConcatWritesNothing) {
     SCOPED_TRACE(dtype_name(qd));
     Tensor q_out = poisoned_tensor(dev, qd, {rows, H, L + R});
     DecodeQConcatParams host, device;
-    for (auto [p, on_host] : {std::pair{&host, true}, std::pair{&device, false}}) {
-      auto v = [&](const Tensor& t) { return on_host ? t.host_view() : t.device_view(); };
+    fill_host_and_device(host, device, [&](auto* p, auto v) {
       p->num_tokens = 0;
       p->ql_nope = v(ql_nope);
       p->q_pe = v(q_pe);
       p->q_out = v(q_out);
-    }
+    });
     ref::decode_q_concat(host);
     ErrorCounts counts(dev);
     Context ctx;
@@ -206,13 +203,12 @@ TEST_P(ZeroTokens, RmsNormWritesNothing) {
     SCOPED_TRACE(in_place ? "in place" : "separate output");
     const Tensor& out = in_place ? input : output;
     RmsNormParams host, device;
-    for (auto [p, on_host] : {std::pair{&host, true}, std::pair{&device, false}}) {
-      auto v = [&](const Tensor& t) { return on_host ? t.host_view() : t.device_view(); };
+    fill_host_and_device(host, device, [&](auto* p, auto v) {
       p->num_tokens = 0;
       p->input = v(input);
       p->weight = v(weight);
       p->output = v(out);
-    }
+    });
     ref::rms_norm(host);
     ErrorCounts counts(dev);
     Context ctx;
@@ -462,14 +458,13 @@ TEST_P(RmsNormEpsZero, NonzeroRowsNormalizedZeroRowsNaN) {
   Tensor output = poisoned_tensor(dev, DType::kBFloat16, {2, N});
   for (const Tensor* t : {&input, &weight, &output}) t->buffer->upload();
   RmsNormParams host, device;
-  for (auto [p, on_host] : {std::pair{&host, true}, std::pair{&device, false}}) {
-    auto v = [&](const Tensor& t) { return on_host ? t.host_view() : t.device_view(); };
+  fill_host_and_device(host, device, [&](auto* p, auto v) {
     p->num_tokens = 2;
     p->input = v(input);
     p->weight = v(weight);
     p->eps = 0.0f;
     p->output = v(output);
-  }
+  });
   ref::rms_norm(host);
   rms_norm(device);
   // Row 0 equals the reference's bytes; row 1 is the canonical NaN 0x7fff everywhere, on every

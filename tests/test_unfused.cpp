@@ -83,15 +83,14 @@ TEST_P(RotaryEmbedding, MatchesReference) {
   upload_all({&positions, &table, &query, &key});
 
   RotaryEmbeddingParams host, device;
-  for (auto [p, on_host] : {std::pair{&host, true}, std::pair{&device, false}}) {
-    auto v = [&](const Tensor& t) { return on_host ? t.host_view() : t.device_view(); };
+  fill_host_and_device(host, device, [&](auto* p, auto v) {
     p->num_tokens = c.T;
     p->positions = v(positions);
     p->query = v(query);
     p->key = v(key);
     p->cos_sin_cache = v(table);
     p->rope_style = c.style;
-  }
+  });
   std::vector<int32_t> expected(kNumErrorCounters, 0);
   ref::rotary_embedding(host, expected.data());
   Context ctx;
@@ -210,14 +209,13 @@ TEST_P(ConcatAndCacheMla, MatchesReference) {
   if (cache.rope_data) cache.rope_data->upload();
 
   ConcatAndCacheMlaParams host, device;
-  for (auto [p, on_host] : {std::pair{&host, true}, std::pair{&device, false}}) {
-    auto v = [&](const Tensor& t) { return on_host ? t.host_view() : t.device_view(); };
+  fill_host_and_device(host, device, [&](auto* p, auto v) {
     p->num_tokens = T;
     p->kv_c = v(kv_c);
     p->k_pe = v(k_pe);
     p->slot_mapping = v(slot_mapping);
-    p->kv_cache = on_host ? cache.host_view() : cache.device_view();
-  }
+    p->kv_cache = v(cache);
+  });
   std::vector<int32_t> expected(kNumErrorCounters, 0);
   ref::concat_and_cache_mla(host, expected.data());
   Context ctx;
@@ -344,14 +342,13 @@ std::pair<DecodeQConcatParams, DecodeQConcatParams> q_concat_params(int64_t T,
                                                                     const Tensor& q_out,
                                                                     const Tensor& q_scale) {
   std::pair<DecodeQConcatParams, DecodeQConcatParams> calls;
-  for (auto [p, on_host] : {std::pair{&calls.first, true}, std::pair{&calls.second, false}}) {
-    auto v = [&](const Tensor& t) { return on_host ? t.host_view() : t.device_view(); };
+  fill_host_and_device(calls.first, calls.second, [&](auto* p, auto v) {
     p->num_tokens = T;
     p->ql_nope = v(ql_nope);
     p->q_pe = v(q_pe);
     p->q_out = v(q_out);
     if (q_scale.present()) p->q_scale = static_cast<const float*>(v(q_scale).data);
-  }
+  });
   return calls;
 }
 
@@ -480,14 +477,13 @@ TEST_P(RmsNorm, MatchesReferenceBitwise) {
   Tensor output =
       c.in_place ? input : poisoned(padded_rows(dev, c.model, rows, c.N, c.output_row_pad));
   RmsNormParams host, device;
-  for (auto [p, on_host] : {std::pair{&host, true}, std::pair{&device, false}}) {
-    auto v = [&](const Tensor& t) { return on_host ? t.host_view() : t.device_view(); };
+  fill_host_and_device(host, device, [&](auto* p, auto v) {
     p->num_tokens = T;
     p->input = v(input);
     p->weight = v(weight);
     p->eps = 1e-6f;
     p->output = v(output);
-  }
+  });
   ref::rms_norm(host);
   rms_norm(device);
   EXPECT_TRUE(buffer_matches(*output.buffer, "output"));
