@@ -115,6 +115,7 @@ Tensor poisoned_tensor(Device device, DType dtype, std::vector<int64_t> shape);
 // uploaded.
 Tensor randomized(Tensor tensor, std::mt19937_64& rng, float amplitude = 2.0f);
 Tensor poisoned(Tensor tensor);
+Tensor index_tensor(Device device, DType dtype, const std::vector<int64_t>& values);
 
 // The same call's params on the host mirrors and on the device copies: fill(&host, view), then
 // fill(&device, view), where view(x) is x.host_view() the first time and x.device_view() the second
@@ -124,7 +125,6 @@ void fill_host_and_device(Params& host, Params& device, Fill&& fill) {
   fill(&host, [](const auto& x) { return x.host_view(); });
   fill(&device, [](const auto& x) { return x.device_view(); });
 }
-Tensor index_tensor(Device device, DType dtype, const std::vector<int64_t>& values);
 
 // ---- comparisons -------------------------------------------------------------------------------
 // Compares `got` with `expected` byte for byte. Reports the first mismatches (index, got,
