@@ -6,7 +6,8 @@ JOBS=${JOBS:-$(nproc)}
 
 # Installs, with apt-get, the Debian packages of the given kinds that are missing. Kinds: build
 # (cmake, g++, make), cli (CLI11, nlohmann-json), tests (googletest), python (python3 with venv and
-# headers, for the torch extension), format (clang-format).
+# headers, for the torch extension), format (clang-format), clang (clang++ and OpenMP's header for
+# it: scripts/clang_check.py).
 ensure_packages() {
   local missing=()
   local kind
@@ -37,6 +38,11 @@ sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Pyth
         ;;
       format)
         command -v clang-format >/dev/null 2>&1 || missing+=(clang-format)
+        ;;
+      clang)
+        command -v clang++ >/dev/null 2>&1 || missing+=(clang)
+        echo '#include <omp.h>' | clang++ -fopenmp -fsyntax-only -x c++ - >/dev/null 2>&1 ||
+          missing+=(libomp-dev)
         ;;
     esac
   done
