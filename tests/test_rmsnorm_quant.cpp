@@ -588,7 +588,7 @@ TEST_P(RmsNormQuantTest, ExactFitWithoutResidualOrNormedOut) {
   const Width widths[] = {{1536, {5, 3001, 4501}}, {1024, {5, 3001}}, {512, {5, 3001}}};
   for (DType dt : {DType::kBFloat16, DType::kFloat16, DType::kFloat32}) {
     for (const Width& w : widths) {
-      // float32 rows: the two chunk forms of N = 1536 only (the others as for 16-bit rows).
+      // float32 rows: N = 1536 only, in each of its thread forms.
       if (dt == DType::kFloat32 && w.N != 1536) continue;
       for (int64_t T : w.token_counts) {
         if (T > 5 && device().type == DeviceType::kCPU) continue;

@@ -119,7 +119,7 @@ void corrupt_one(const char* op, const char* name, const mlakv::TensorView& view
 void corrupt(const char* op, const mlakv::ConcatAndCacheMlaParams& p) {
   if (!faulting(op)) return;
   if (fault().what == "kv_cache") return flip(p.kv_cache);
-  flip_named(op, {});
+  flip_named(op, {});  // no view to flip: only the error for any name but `throw` / `skip`
 }
 
 void corrupt(const char* op, const mlakv::MlaRopeCacheParams& p, int32_t* error_counts) {
