@@ -6,7 +6,11 @@
 #include "commands.h"
 #include "mlakv/mlakv.h"
 
-int main(int argc, char** argv) {
+namespace {
+
+// Builds the options and runs the chosen command; main turns what it throws (mlakv::Error, and
+// anything the option setup itself could throw) into exit status 2.
+int run(int argc, char** argv) {
   using mlakv::cli::BenchOptions;
   using mlakv::cli::CheckOptions;
 
@@ -65,16 +69,19 @@ int main(int argc, char** argv) {
 
   CLI11_PARSE(app, argc, argv);
 
+  if (info->parsed()) return mlakv::cli::run_info();
+  if (check->parsed()) return mlakv::cli::run_check(check_options);
+  if (bench->parsed()) return mlakv::cli::run_bench(bench_options);
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
   try {
-    if (info->parsed()) return mlakv::cli::run_info();
-    if (check->parsed()) return mlakv::cli::run_check(check_options);
-    if (bench->parsed()) return mlakv::cli::run_bench(bench_options);
-  } catch (const mlakv::Error& e) {
-    std::fprintf(stderr, "mlakv: error: %s\n", e.what());
-    return 2;
-  } catch (const std::exception& e) {
+    return run(argc, argv);
+  } catch (const std::exception& e) {  // mlakv::Error included
     std::fprintf(stderr, "mlakv: error: %s\n", e.what());
     return 2;
   }
-  return 0;
 }
