@@ -27,7 +27,8 @@
 #   WERROR           ON to build with -DMLAKV_WERROR=ON (default OFF: a new compiler warning must
 #                    not cost a whole GPU run; the summary counts warnings instead; ptxas's spill
 #                    reports stay warnings either way)
-#   PREBUILT         a folder holding `mlakv` and `mlakv_tests` built elsewhere from this tree (a
+#   PREBUILT         a folder holding `mlakv` and `mlakv_tests` (and optionally `mlakv_faulty`,
+#                    for tests/cli/cuda_faults.sh) built elsewhere from this tree (a
 #                    CUDA build on a machine without a GPU saves the GPU machine's build minutes),
 #                    plus any shared library they need that the GPU machine lacks (libgomp.so.1):
 #                    the build stage copies them into BUILD_DIR instead of building, and the test
@@ -80,6 +81,7 @@ stage_build_prebuilt() {
   note "[build] prebuilt binaries from $PREBUILT"
   mkdir -p "$BUILD_DIR"
   cp "$PREBUILT/mlakv" "$PREBUILT/mlakv_tests" "$BUILD_DIR/" || return 1
+  if [[ -f $PREBUILT/mlakv_faulty ]]; then cp "$PREBUILT/mlakv_faulty" "$BUILD_DIR/"; fi
   "$BUILD_DIR/mlakv" info >"$LOGS/info.txt" 2>&1 || {
     cat "$LOGS/info.txt" | head -5 | tee -a "$SUMMARY"
     return 1
@@ -125,6 +127,11 @@ stage_test() {
       exit $rc' _ "$BUILD_DIR" "$LOGS"
     local rc=$?
     grep -E "tests? ran|PASSED|FAILED" "$LOGS/ctest.log" | head -30 | tee -a "$SUMMARY"
+    if [[ -f $BUILD_DIR/mlakv_faulty ]]; then  # ctest's cli.fault.cuda
+      run_logged cuda_faults "$LOGS/cuda_faults.log" \
+        sh tests/cli/cuda_faults.sh "$BUILD_DIR/mlakv_faulty" || rc=1
+      grep -E "^(ok|FAILED) |cuda_faults.sh" "$LOGS/cuda_faults.log" | tee -a "$SUMMARY"
+    fi
     return $rc
   fi
   run_logged ctest "$LOGS/ctest.log" \

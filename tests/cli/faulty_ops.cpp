@@ -4,7 +4,7 @@
 // must then report a mismatch and exit non-zero (the cli.fault.* ctest entries). A check that
 // cannot see a wrong byte is the defect these tests exist to find.
 //
-//   MLAKV_FAULT=<op>:<what>[:last]
+//   MLAKV_FAULT=<op>[@cuda]:<what>[:last]
 //     op    mla_rope_cache, concat_and_cache_mla, decode_q_concat, rotary_embedding, rms_norm,
 //           rmsnorm_quant, per_token_group_quant_fp8 (the library), ref.mla_rope_cache,
 //           ref.rmsnorm_quant (the host reference)
@@ -13,9 +13,14 @@
 //           op ran (its first byte, or its last with `:last`); `counter`: error counter 0 gains
 //           one; `throw`: the op throws mlakv::Error; `skip`: the op is not run at all. A name
 //           the op does not fault (a misspelling) makes it throw "has no buffer" after it ran.
+//     @cuda the byte or counter is changed only where it lies in CUDA device memory, so that
+//           `mlakv check --backend all` must find the CUDA run apart from the CPU run.
 //
-// CPU backend only: the flipped byte is written through the view's pointer. CMakeLists.txt passes
-// `--wrap` for every mangled mlakv name spelled in this file.
+// A byte in host memory is flipped through its pointer. One in CUDA device memory (a CUDA build)
+// is read back, flipped and written again after cudaDeviceSynchronize. While the op's stream is
+// being captured into a CUDA graph (the bench's timed runs) no byte is changed: the eager runs
+// before the capture are the ones checked. CMakeLists.txt passes `--wrap` for every mangled mlakv
+// name spelled in this file.
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -26,11 +31,16 @@
 #include "mlakv/mlakv.h"
 #include "reference/reference.h"
 
+#if MLAKV_WITH_CUDA
+#include <cuda_runtime.h>
+#endif
+
 namespace {
 
 struct Fault {
   std::string op, what;
   bool last = false;
+  bool cuda_only = false;  // @cuda
 };
 
 // The fault asked for in MLAKV_FAULT, or an empty op.
@@ -44,6 +54,14 @@ Fault requested_fault() {
               "'");
   f.op = spec.substr(0, colon);
   f.what = spec.substr(colon + 1);
+  const std::string at_cuda = "@cuda";
+  if (f.op.size() > at_cuda.size() &&
+      f.op.compare(f.op.size() - at_cuda.size(), at_cuda.size(), at_cuda) == 0) {
+    f.op.resize(f.op.size() - at_cuda.size());
+    f.cuda_only = true;
+    MLAKV_CHECK(f.what != "throw" && f.what != "skip", "MLAKV_FAULT: @cuda changes a buffer or ",
+                "counter, not '", f.what, "'");
+  }
   const std::string suffix = ":last";
   if (f.what.size() > suffix.size() &&
       f.what.compare(f.what.size() - suffix.size(), suffix.size(), suffix) == 0) {
@@ -60,13 +78,60 @@ const Fault& fault() {
 
 bool faulting(const char* op) { return fault().op == op; }
 
-void flip(void* data, int64_t offset_bytes) { static_cast<uint8_t*>(data)[offset_bytes] ^= 0x01; }
+#if MLAKV_WITH_CUDA
+void cuda_ok(cudaError_t e, const char* what) {
+  MLAKV_CHECK(e == cudaSuccess, "MLAKV_FAULT: ", what, ": ", cudaGetErrorString(e));
+}
+
+// Without a usable device (a CUDA build on a machine without a GPU) both queries fail: every
+// pointer is then host memory and nothing is being captured.
+bool in_device_memory(const void* p) {
+  cudaPointerAttributes a{};
+  if (cudaPointerGetAttributes(&a, p) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  return a.type == cudaMemoryTypeDevice || a.type == cudaMemoryTypeManaged;
+}
+
+bool capturing(const mlakv::Context& ctx) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(static_cast<cudaStream_t>(ctx.stream), &status) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  return status != cudaStreamCaptureStatusNone;
+}
+#else
+bool in_device_memory(const void*) { return false; }
+bool capturing(const mlakv::Context&) { return false; }
+#endif
+
+// Applies `change` to the T at `p`, in host or CUDA device memory; with @cuda, only in device
+// memory.
+template <typename T, typename Change>
+void modify(T* p, Change change) {
+  if (!in_device_memory(p)) {
+    if (!fault().cuda_only) change(*p);
+    return;
+  }
+#if MLAKV_WITH_CUDA
+  T value;
+  cuda_ok(cudaDeviceSynchronize(), "after the op");
+  cuda_ok(cudaMemcpy(&value, p, sizeof(T), cudaMemcpyDeviceToHost), "read back");
+  change(value);
+  cuda_ok(cudaMemcpy(p, &value, sizeof(T), cudaMemcpyHostToDevice), "write");
+#endif
+}
+
+void flip(void* data, int64_t offset_bytes) {
+  modify(static_cast<uint8_t*>(data) + offset_bytes, [](uint8_t& b) { b ^= 0x01; });
+}
 
 // Flips the first or the last byte a view spans; an absent view is left alone (a fault that
 // changes nothing fails its test).
 void flip(const mlakv::TensorView& v) {
   if (!v.present() || v.numel() == 0) return;
-  MLAKV_CHECK(v.device.type == mlakv::DeviceType::kCPU, "MLAKV_FAULT: CPU views only");
   int64_t offset = 0;
   if (fault().last) {
     const int64_t elem = static_cast<int64_t>(mlakv::dtype_size(v.dtype));
@@ -78,7 +143,6 @@ void flip(const mlakv::TensorView& v) {
 
 // Flips the first or the last byte of the (latent or combined) cache.
 void flip(const mlakv::KVCacheView& c) {
-  MLAKV_CHECK(c.device.type == mlakv::DeviceType::kCPU, "MLAKV_FAULT: CPU caches only");
   flip(c.data, fault().last ? c.num_blocks * c.stride_block_bytes - 1 : 0);
 }
 
@@ -91,7 +155,7 @@ bool before(const char* op) {
 
 void bump_counter(int32_t* error_counts) {
   MLAKV_CHECK(error_counts != nullptr, "MLAKV_FAULT: the op has no error counters");
-  error_counts[0] += 1;
+  modify(error_counts, [](int32_t& n) { n += 1; });
 }
 
 [[noreturn]] void unknown(const char* op) {
@@ -179,7 +243,7 @@ extern "C" {
   void __real_##mangled(const Params&, const mlakv::Context&);        \
   void __wrap_##mangled(const Params& p, const mlakv::Context& ctx) { \
     if (before(op)) __real_##mangled(p, ctx);                         \
-    __VA_ARGS__;                                                      \
+    if (!capturing(ctx)) __VA_ARGS__;                                 \
   }
 
 MLAKV_FAULT_WRAP(_ZN5mlakv14mla_rope_cacheERKNS_18MlaRopeCacheParamsERKNS_7ContextE,

@@ -1,0 +1,85 @@
+#!/bin/sh
+# mlakv tests: the CUDA half of the cli.fault.* tests. `mlakv check` and `mlakv bench` on the CUDA
+# backend, over the deliberately faulty library (tests/cli/faulty_ops.cpp), must name each fault
+# and exit non-zero: a check that cannot see a wrong byte on the GPU is the defect looked for.
+#   cuda_faults.sh MLAKV_FAULTY
+# Exits 77 (ctest: skipped) when the tool has no CUDA backend or sees no device, 1 when a case
+# fails, 0 when all pass. ctest runs it as cli.fault.cuda (CUDA builds); scripts/gpu_run.sh runs it
+# for prebuilt binaries.
+faulty=$1
+[ -x "$faulty" ] || { echo "cuda_faults.sh: not an executable: $faulty"; exit 2; }
+expect="sh $(dirname "$0")/expect.sh"
+if ! "$faulty" info 2>&1 | grep -q "^  cuda: built, [1-9][0-9]* visible device"; then
+  echo "cuda_faults.sh: no CUDA device visible to $faulty: skipped"
+  exit 77
+fi
+
+failed=0
+# case NAME FAULT STATUS PATTERN... -- ARG...: one run of the faulty tool, held by expect.sh.
+case_() {
+  name=$1 fault=$2
+  shift 2
+  if MLAKV_FAULT=$fault $expect "$@" >"${TMPDIR:-/tmp}/mlakv_cuda_fault.$$" 2>&1; then
+    echo "ok      $name"
+  else
+    echo "FAILED  $name (MLAKV_FAULT=$fault)"
+    sed 's/^/        /' "${TMPDIR:-/tmp}/mlakv_cuda_fault.$$"
+    failed=1
+  fi
+  rm -f "${TMPDIR:-/tmp}/mlakv_cuda_fault.$$"
+}
+
+# check --backend cuda: 10 cases (2 seeds x 5 configs) against the host reference.
+all_fail="summary: 10 comparisons, 10 mismatches: FAIL"
+check="-- $faulty check --backend cuda --seeds 2"
+case_ check_cache_first mla_rope_cache:kv_cache 1 "$all_fail" "cuda 0/2 ok .*FAIL$" \
+  "MISMATCH cuda vs reference: seed .*: kv_cache: byte 0 of" $check
+case_ check_cache_last mla_rope_cache:kv_cache:last 1 "$all_fail" \
+  "MISMATCH cuda vs reference: seed .*: kv_cache: byte [1-9]" $check
+case_ check_counter mla_rope_cache:counter 1 "$all_fail" \
+  "MISMATCH cuda vs reference: seed .*: error counter .*: 1 vs reference 0" $check
+case_ check_device_td mla_rope_cache:num_decode_tokens_device 1 \
+  "summary: 10 comparisons, [1-9] mismatches: FAIL" "Td (device): byte 0 of" $check
+case_ check_throws mla_rope_cache:throw 1 "$all_fail" "threw: .*throws as asked" $check
+
+# check --backend all: a fault in the CUDA run alone (@cuda) must also fail cuda == cpu, while
+# the CPU run passes.
+both="-- $faulty check --backend all --seeds 2"
+case_ check_cuda_vs_cpu mla_rope_cache@cuda:kv_cache 1 \
+  "summary: 30 comparisons, 20 mismatches: FAIL" "cpu 2/2 ok  cuda 0/2 ok  cuda==cpu 0/2" \
+  "MISMATCH cuda vs cpu: seed .*: kv_cache: byte 0 of" $both
+case_ check_cuda_vs_cpu_counter mla_rope_cache@cuda:counter 1 \
+  "summary: 30 comparisons, 20 mismatches: FAIL" \
+  "MISMATCH cuda vs cpu: seed .*: error counter .*: 1 vs cpu 0" $both
+case_ check_all_pass none:none 0 "summary: 30 comparisons, 0 mismatches: PASS" $both
+
+# bench --backend cuda: the check before timing names the first difference and the run exits 2.
+bench="$faulty bench --backend cuda --iters 1 --workload"
+case_ bench_unfused_cache_first concat_and_cache_mla:kv_cache 2 \
+  "CHECK FAILED: cache differs from unfused at byte 0 " -- $bench decode_bf16 --tokens 1
+case_ bench_unfused_not_run concat_and_cache_mla:skip 2 \
+  "CHECK FAILED: cache differs from unfused" -- $bench decode_bf16 --tokens 1
+case_ bench_unfused_q_out_last decode_q_concat:q_out:last 2 \
+  "CHECK FAILED: q_out differs from unfused" -- $bench decode_fp8 --tokens 2
+case_ bench_unfused_q_last_row rotary_embedding:query:last 2 \
+  "CHECK FAILED: q (prefill rows) differs from unfused" -- $bench mixed_bf16 --tokens 3
+case_ bench_fused_input mla_rope_cache:q_pe:last 2 \
+  "CHECK FAILED: q_pe differs from its upload" -- $bench decode_bf16 --tokens 1
+case_ bench_fused_counter mla_rope_cache:counter 2 \
+  "non-zero counters: bad_slot = 1" -- $bench decode_bf16 --tokens 1
+case_ bench_reference_cache ref.mla_rope_cache:kv_cache 2 \
+  "CHECK FAILED: cache differs from reference" -- $bench decode_bf16 --tokens 1
+case_ bench_norm_unfused_scales per_token_group_quant_fp8:scales:last 2 \
+  "CHECK FAILED: q_c scales differs from unfused" -- $bench rmsnorm_quant_qc --tokens 513
+case_ bench_norm_unfused_kv_c_out rms_norm:output:last 2 \
+  "CHECK FAILED: kv_c_out differs from unfused" -- $bench mla_rmsnorm_quant --tokens 1
+case_ bench_norm_fused_input mla_rmsnorm_quant:kv_c:last 2 \
+  "CHECK FAILED: kv_c differs from its upload" -- $bench mla_rmsnorm_quant --tokens 1
+case_ bench_norm_reference_values ref.rmsnorm_quant:values:last 2 \
+  "CHECK FAILED: q_c values differs from reference" -- $bench rmsnorm_quant_qc --tokens 512
+# --skip-check: the same fault, timed without complaint (and left alone inside the graph capture).
+case_ bench_skip_check concat_and_cache_mla:kv_cache 0 "^decode_bf16  *1 " \
+  -- $bench decode_bf16 --tokens 1 --skip-check
+
+[ $failed -eq 0 ] && echo "cuda_faults.sh: all cases passed"
+exit $failed
