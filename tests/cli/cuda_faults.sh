@@ -19,7 +19,7 @@ failed=0
 case_() {
   name=$1 fault=$2
   shift 2
-  if MLAKV_FAULT=$fault $expect "$@" >"${TMPDIR:-/tmp}/mlakv_cuda_fault.$$" 2>&1; then
+  if MLAKV_FAULT=$fault $expect "$@" </dev/null >"${TMPDIR:-/tmp}/mlakv_cuda_fault.$$" 2>&1; then
     echo "ok      $name"
   else
     echo "FAILED  $name (MLAKV_FAULT=$fault)"
@@ -54,29 +54,26 @@ case_ check_cuda_vs_cpu_counter mla_rope_cache@cuda:counter 1 \
 case_ check_all_pass none:none 0 "summary: 30 comparisons, 0 mismatches: PASS" $both
 
 # bench --backend cuda: the check before timing names the first difference and the run exits 2.
+# One case a line: name|fault|workload and tokens|message.
 bench="$faulty bench --backend cuda --iters 1 --workload"
-case_ bench_unfused_cache_first concat_and_cache_mla:kv_cache 2 \
-  "CHECK FAILED: cache differs from unfused at byte 0 " -- $bench decode_bf16 --tokens 1
-case_ bench_unfused_not_run concat_and_cache_mla:skip 2 \
-  "CHECK FAILED: cache differs from unfused" -- $bench decode_bf16 --tokens 1
-case_ bench_unfused_q_out_last decode_q_concat:q_out:last 2 \
-  "CHECK FAILED: q_out differs from unfused" -- $bench decode_fp8 --tokens 2
-case_ bench_unfused_q_last_row rotary_embedding:query:last 2 \
-  "CHECK FAILED: q (prefill rows) differs from unfused" -- $bench mixed_bf16 --tokens 3
-case_ bench_fused_input mla_rope_cache:q_pe:last 2 \
-  "CHECK FAILED: q_pe differs from its upload" -- $bench decode_bf16 --tokens 1
-case_ bench_fused_counter mla_rope_cache:counter 2 \
-  "non-zero counters: bad_slot = 1" -- $bench decode_bf16 --tokens 1
-case_ bench_reference_cache ref.mla_rope_cache:kv_cache 2 \
-  "CHECK FAILED: cache differs from reference" -- $bench decode_bf16 --tokens 1
-case_ bench_norm_unfused_scales per_token_group_quant_fp8:scales:last 2 \
-  "CHECK FAILED: q_c scales differs from unfused" -- $bench rmsnorm_quant_qc --tokens 513
-case_ bench_norm_unfused_kv_c_out rms_norm:output:last 2 \
-  "CHECK FAILED: kv_c_out differs from unfused" -- $bench mla_rmsnorm_quant --tokens 1
-case_ bench_norm_fused_input mla_rmsnorm_quant:kv_c:last 2 \
-  "CHECK FAILED: kv_c differs from its upload" -- $bench mla_rmsnorm_quant --tokens 1
-case_ bench_norm_reference_values ref.rmsnorm_quant:values:last 2 \
-  "CHECK FAILED: q_c values differs from reference" -- $bench rmsnorm_quant_qc --tokens 512
+while IFS='|' read -r name fault args msg; do
+  # $bench and $args split into words on purpose.
+  case_ "bench_$name" "$fault" 2 "CHECK FAILED: $msg" -- $bench $args
+done <<'CASES'
+unfused_cache_first|concat_and_cache_mla:kv_cache|decode_bf16 --tokens 1|cache differs from unfused at byte 0 
+unfused_not_run|concat_and_cache_mla:skip|decode_bf16 --tokens 1|cache differs from unfused
+unfused_q_out_last|decode_q_concat:q_out:last|decode_fp8 --tokens 2|q_out differs from unfused
+unfused_q_last_row|rotary_embedding:query:last|mixed_bf16 --tokens 3|q (prefill rows) differs from unfused
+fused_input|mla_rope_cache:q_pe:last|decode_bf16 --tokens 1|q_pe differs from its upload
+reference_cache|ref.mla_rope_cache:kv_cache|decode_bf16 --tokens 1|cache differs from reference
+norm_unfused_scales|per_token_group_quant_fp8:scales:last|rmsnorm_quant_qc --tokens 513|q_c scales differs from unfused
+norm_unfused_kv_c_out|rms_norm:output:last|mla_rmsnorm_quant --tokens 1|kv_c_out differs from unfused
+norm_fused_input|mla_rmsnorm_quant:kv_c:last|mla_rmsnorm_quant --tokens 1|kv_c differs from its upload
+norm_reference_values|ref.rmsnorm_quant:values:last|rmsnorm_quant_qc --tokens 512|q_c values differs from reference
+CASES
+# The fused op's error counter, reported after the check's byte comparisons.
+case_ bench_fused_counter mla_rope_cache:counter 2 "non-zero counters: bad_slot = 1" \
+  -- $bench decode_bf16 --tokens 1
 # --skip-check: the same fault, timed without complaint (and left alone inside the graph capture).
 case_ bench_skip_check concat_and_cache_mla:kv_cache 0 "^decode_bf16  *1 " \
   -- $bench decode_bf16 --tokens 1 --skip-check
