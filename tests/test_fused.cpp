@@ -189,10 +189,16 @@ std::vector<FusedSpec> q_side_specs() {
   // Rope widths up to DESIGN.md's largest, R = 256, and R = 128 (a fixed-length loop on the CPU):
   // bf16 and e4m3 q_out, both pair styles, k_pe_out into a poisoned buffer (a value left unrotated
   // or unwritten shows). The e4m3 q_out goes with an e4m3 cache.
+  // On CUDA: R = 48 and 96 are multiples of 8 whose R / 8 does not divide a warp's 32 lanes (no
+  // chunked rope items, even for GPT-J), and R = 128 with 16 heads has more heads than one
+  // element-wise rope item takes (8 / ceil(R / 64) = 4).
   {
     constexpr ModelShape kRope128{"rope128", 4, 256, 128, 64};
     constexpr ModelShape kRope256{"rope256", 2, 128, 256, 32};
-    for (const ModelShape& shape : {kRope128, kRope256}) {
+    constexpr ModelShape kRope128H16{"rope128h16", 16, 256, 128, 64};
+    constexpr ModelShape kRope48{"rope48", 8, 256, 48, 64};
+    constexpr ModelShape kRope96{"rope96", 6, 256, 96, 64};
+    for (const ModelShape& shape : {kRope128, kRope256, kRope128H16, kRope48, kRope96}) {
       for (bool fp8 : {false, true}) {
         for (RopeStyle style : {RopeStyle::kGptJ, RopeStyle::kNeox}) {
           FusedSpec s = base(shape, fp8 ? kFormats[3] : kFormats[0], 9, 4);

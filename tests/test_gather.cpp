@@ -22,11 +22,14 @@ struct GatherCase {
   bool split;
   int64_t L, R, block_size;
   DType out_dtype;
-  // out's rows at a stride of L + R + out_row_pad, starting out_row_pad elements into the buffer
+  // out's rows at a stride of L + R + out_row_pad, starting out_offset() elements into the buffer
   // (the gaps stay poisoned); the block table a column view of a table with this many more
   // columns of valid block ids (a read at the wrong place copies a real entry, not zeros).
   int64_t out_row_pad = 0;
   int64_t table_extra_cols = 0;
+  // out_row_pad rounded up to 8 elements: a padded out starts 16-byte aligned for 16-bit and
+  // fp32 outputs, so its row stride alone decides CUDA's 16-byte path.
+  int64_t out_offset() const { return (out_row_pad + 7) / 8 * 8; }
 };
 void PrintTo(const GatherCase& c, std::ostream* os) { *os << c.name; }
 
@@ -66,7 +69,7 @@ TEST_P(GatherCache, SlotsMatchReference) {
   slot_values[11] = slot_values[12];                            // repeats are fine
   for (int64_t i = N; i < rows; ++i) slot_values[i] = n + 100;  // rows >= N: never read
   Tensor slots = index_tensor(dev, DType::kInt32, slot_values);
-  Tensor out = poisoned(padded_rows(dev, c.out_dtype, rows, D, c.out_row_pad, c.out_row_pad));
+  Tensor out = poisoned(padded_rows(dev, c.out_dtype, rows, D, c.out_row_pad, c.out_offset()));
 
   const BothCounts counts = gather_slots_both(cache, N, slots, out);
   EXPECT_EQ(counts.expected[kBadSlot], 2);
@@ -115,7 +118,7 @@ TEST_P(GatherCache, SequencesMatchReference) {
   // the buffer has 3 more rows past the view.
   const int64_t out_rows = cu[B] - 2;
   Tensor out =
-      poisoned(padded_rows(dev, c.out_dtype, out_rows + 3, D, c.out_row_pad, c.out_row_pad));
+      poisoned(padded_rows(dev, c.out_dtype, out_rows + 3, D, c.out_row_pad, c.out_offset()));
   out = out.view(out.offset, {out_rows, D}, out.stride);
 
   const BothCounts counts = gather_sequences_both(cache, B, block_table, cu_seq_lens, out);
@@ -138,7 +141,7 @@ TEST_P(GatherCache, OneRow) {
   TestCache cache = filled_cache(dev, c, rng);
   const int64_t D = c.L + c.R, last_block = cache.geometry.num_blocks - 1;
   Tensor slots = index_tensor(dev, DType::kInt64, {cache.num_slots() - 1, 0});
-  Tensor out = poisoned(padded_rows(dev, c.out_dtype, 2, D, c.out_row_pad, c.out_row_pad));
+  Tensor out = poisoned(padded_rows(dev, c.out_dtype, 2, D, c.out_row_pad, c.out_offset()));
   const BothCounts slot_counts = gather_slots_both(cache, 1, slots, out);
   EXPECT_EQ(counts_to_string(slot_counts.got), counts_to_string(slot_counts.expected));
   EXPECT_TRUE(buffer_matches(*out.buffer, "out of gather_cache_slots"));
@@ -146,7 +149,7 @@ TEST_P(GatherCache, OneRow) {
   // Sequences mode: block_table [1, 1] and out [1, D], a view of the first of two rows.
   const Tensor block_table = index_tensor(dev, DType::kInt32, {last_block}).view(0, {1, 1}, {1, 1});
   Tensor cu_seq_lens = index_tensor(dev, DType::kInt32, {0, 1});
-  Tensor seq_out = poisoned(padded_rows(dev, c.out_dtype, 2, D, c.out_row_pad, c.out_row_pad));
+  Tensor seq_out = poisoned(padded_rows(dev, c.out_dtype, 2, D, c.out_row_pad, c.out_offset()));
   seq_out = seq_out.view(seq_out.offset, {1, D}, seq_out.stride);
   const BothCounts seq_counts = gather_sequences_both(cache, 1, block_table, cu_seq_lens, seq_out);
   EXPECT_EQ(counts_to_string(seq_counts.got), counts_to_string(seq_counts.expected));
@@ -167,6 +170,9 @@ std::vector<GatherCase> gather_cases() {
     out.push_back({"dsmla" + on, CacheFormat::kFloat8DsMla, 0, false, 512, 64, 64, o});
     out.push_back({"bf16_padded_rows_table_columns" + on, CacheFormat::kBFloat16, 0, false, 512, 64,
                    4, o, 8, 3});
+    // Rows 4 elements apart from whole: 8-byte aligned bf16 rows (CUDA's element-wise kernel),
+    // 16-byte aligned fp32 ones.
+    out.push_back({"bf16_rows_pad4" + on, CacheFormat::kBFloat16, 0, false, 512, 64, 16, o, 4});
   }
   return out;
 }

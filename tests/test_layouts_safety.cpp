@@ -276,6 +276,18 @@ TEST_P(CheckedMode, ReadErrorCountsThrowsIfAsked) {
   EXPECT_EQ(counts_to_string(problem.counts.read()), counts_to_string({0, 0, 0, 0}));
 }
 
+// read_error_counts and reset_error_counts cover every counter of the backend's memory, the last
+// one included.
+TEST_P(CheckedMode, ReadAndResetEveryCounter) {
+  ErrorCounts counts(GetParam().device);
+  int32_t* host_mirror = reinterpret_cast<int32_t*>(counts.tensor.buffer->host.data());
+  for (int32_t i = 0; i < kNumErrorCounters; ++i) host_mirror[i] = 10 + i;
+  counts.tensor.buffer->upload();
+  EXPECT_EQ(counts_to_string(counts.read()), counts_to_string({10, 11, 12, 13}));
+  reset_error_counts(counts.device_ptr(), GetParam().device);
+  EXPECT_EQ(counts_to_string(counts.read()), counts_to_string({0, 0, 0, 0}));
+}
+
 INSTANTIATE_TEST_SUITE_P(All, CheckedMode, testing::ValuesIn(all_backends()), backend_param_name);
 
 // Without ctx.error_counts (no counter array to write) every problem is still handled as usual: a

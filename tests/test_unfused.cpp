@@ -126,6 +126,9 @@ std::vector<RotaryCase> rotary_cases() {
        RopeStyle::kNeox, 0},
       {"q_only_gptj_fp32_rot256_fp16table", 3, 2, 0, 256, 256, DType::kFloat32, DType::kFloat16,
        RopeStyle::kGptJ, 0},
+      // More heads than one CUDA item takes at rot_dim 128 (8 / ceil(64 / 32) = 4), for both.
+      {"qk_neox_bf16_rot128_many_heads", 5, 16, 6, 128, 128, DType::kBFloat16, DType::kFloat32,
+       RopeStyle::kNeox, 0},
       // Every row and head padded, the query's and the key's differently.
       {"qk_gptj_bf16_padded_heads",
        5,
@@ -532,7 +535,10 @@ std::vector<RmsCase> rms_cases() {
           {"fp16_1000", DType::kFloat16, 1000, false},
           {"fp32_3001", DType::kFloat32, 3001, false},
           {"bf16_9000", DType::kBFloat16, 9000, false},
-          {"bf16_512_padded_rows", DType::kBFloat16, 512, false, 8, 24}};
+          {"bf16_512_padded_rows", DType::kBFloat16, 512, false, 8, 24},
+          // Rows 8-byte aligned only, the input's or the output's: CUDA's element-wise kernel.
+          {"bf16_512_input_rows_8_bytes", DType::kBFloat16, 512, false, 4, 0},
+          {"bf16_512_output_rows_8_bytes", DType::kBFloat16, 512, false, 0, 4}};
 }
 
 // ---- fused == unfused --------------------------------------------------------------------------
