@@ -12,6 +12,7 @@
 #include <functional>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "cuda/cuda_utils.h"
@@ -321,6 +322,41 @@ TEST_F(CudaFusedKernelChoice, UnusedTensorStridesKeepTheVectorPath) {
   }
 }
 
+// Rows padded by 3 elements (row strides no multiple of 16 bytes) take the element-wise instance
+// (kVec false), through mla_rope_cache and concat_and_cache_mla: test_cuda_pdl.cu's padded cases
+// rely on it to reach that instance's own launch.
+TEST_F(CudaFusedKernelChoice, UnalignedRowsTakeTheElementWisePath) {
+  constexpr int64_t T = 64, kPad = 3;
+  FusedSpec spec = spec_of("decode_padded", Entry::kDecode, T, T);
+  spec.shape = kDeepSeekV3Tp8;
+  spec.norm = spec.k_pe_out = spec.kv_c_out = true;
+  spec.row_pad = kPad;
+  CacheGeometry g;
+  g.num_blocks = T / g.block_size + 2;
+  const TestCache cache = new_cache(device_, g);
+  const Tensor slot_mapping = new_tensor(device_, DType::kInt64, {T});
+  const Tensor kv_c = padded_rows(device_, DType::kBFloat16, T, g.L, kPad);
+  const Tensor k_pe = padded_rows(device_, DType::kBFloat16, T, g.R, kPad);
+  ConcatAndCacheMlaParams concat;
+  concat.num_tokens = T;
+  concat.kv_c = kv_c.device_view();
+  concat.k_pe = k_pe.device_view();
+  concat.slot_mapping = slot_mapping.device_view();
+  concat.kv_cache = cache.device_view();
+  const std::pair<const char*, std::vector<std::string>> launches[] = {
+      {"mla_rope_cache", kernels_of(spec)},
+      {"concat_and_cache_mla",
+       kernels_of([&](const Context& ctx) { concat_and_cache_mla(concat, ctx); })},
+  };
+  for (const auto& [op, names] : launches) {
+    SCOPED_TRACE(op);
+    ASSERT_EQ(names.size(), 1u) << "expected one kernel, the fused one";
+    const std::vector<std::string> args = fused_arguments(names[0]);
+    ASSERT_EQ(args.size(), 6u) << names[0];
+    EXPECT_EQ(args[3], "false") << names[0];
+  }
+}
+
 // rmsnorm_quant's exact-fit kernel in the thread form of the grid's size (cuda/rmsnorm_quant.h):
 // one chunk a thread while the whole grid is at most kRmsqOneChunkMaxBlocks blocks of two rows,
 // two up to kRmsqTwoChunksMaxBlocks of q_c's, then 64 threads; other widths take the generic
@@ -357,10 +393,11 @@ TEST_F(CudaKernelChoice, RmsNormQuantThreadForms) {
   }
 }
 
-// The dual form (q_c 1536 + kv_c 512, bf16): the one-chunk instance bounded for
+// The dual form (q_c 1536 + kv_c 512): the one-chunk instance bounded for
 // kRmsqDualOneChunkBlocksPerSm resident blocks while the whole grid fits them, the two-chunk form
-// while q_c has at most kRmsqDualTwoChunksMaxBlocks blocks, then the few-thread instance bounded
-// for kRmsqDualFewBlocksPerSm.
+// while q_c has at most kRmsqDualTwoChunksMaxBlocks blocks, then the few-thread instance, bounded
+// for kRmsqDualFewBlocksPerSm in bf16 only (fp16 rows spill under that bound: unbounded). The
+// bound changes no result, so only the instance's name shows it.
 TEST_F(CudaKernelChoice, MlaRmsNormQuantForms) {
   const int64_t one_chunk_blocks =
       std::max<int64_t>(cuda::kRmsqOneChunkMaxBlocks,
@@ -370,27 +407,36 @@ TEST_F(CudaKernelChoice, MlaRmsNormQuantForms) {
   const int64_t two_chunks_T = cuda::kRmsqDualTwoChunksMaxBlocks * cuda::kRmsqRowsPerBlock;
   ASSERT_LT(one_chunk_T, two_chunks_T) << "the cases below assume the forms in this order";
   struct Case {
+    DType dtype;
     int64_t T;
     const char* instance;
   };
+  constexpr DType kBf16 = DType::kBFloat16, kFp16 = DType::kFloat16;
   const Case cases[] = {
-      {1, "rmsnorm_quant_rows_kernel_bounded<mlakv::num::Bf16, 1536, 512, 192, 64>"},
-      {one_chunk_T, "rmsnorm_quant_rows_kernel_bounded<mlakv::num::Bf16, 1536, 512, 192, 64>"},
-      {one_chunk_T + 2 * cuda::kRmsqRowsPerBlock,
+      {kBf16, 1, "rmsnorm_quant_rows_kernel_bounded<mlakv::num::Bf16, 1536, 512, 192, 64>"},
+      {kBf16, one_chunk_T,
+       "rmsnorm_quant_rows_kernel_bounded<mlakv::num::Bf16, 1536, 512, 192, 64>"},
+      {kBf16, one_chunk_T + 2 * cuda::kRmsqRowsPerBlock,
        "rmsnorm_quant_rows_kernel<mlakv::num::Bf16, 1536, 512, 96, 64>"},
-      {two_chunks_T, "rmsnorm_quant_rows_kernel<mlakv::num::Bf16, 1536, 512, 96, 64>"},
-      {two_chunks_T + 1, "rmsnorm_quant_rows_kernel_bounded<mlakv::num::Bf16, 1536, 512, 64, 64>"},
+      {kBf16, two_chunks_T, "rmsnorm_quant_rows_kernel<mlakv::num::Bf16, 1536, 512, 96, 64>"},
+      {kBf16, two_chunks_T + 1,
+       "rmsnorm_quant_rows_kernel_bounded<mlakv::num::Bf16, 1536, 512, 64, 64>"},
+      // fp16: the one-chunk bound (16-bit rows) but not the few-thread one.
+      {kFp16, one_chunk_T,
+       "rmsnorm_quant_rows_kernel_bounded<mlakv::num::Half, 1536, 512, 192, 64>"},
+      {kFp16, two_chunks_T, "rmsnorm_quant_rows_kernel<mlakv::num::Half, 1536, 512, 96, 64>"},
+      {kFp16, two_chunks_T + 1, "rmsnorm_quant_rows_kernel<mlakv::num::Half, 1536, 512, 64, 64>"},
   };
   constexpr int64_t kQ = 1536, kKv = 512;
   std::mt19937_64 rng(42);
   for (const Case& c : cases) {
-    SCOPED_TRACE("T " + std::to_string(c.T));
-    const Tensor q_c = new_tensor(device_, DType::kBFloat16, {c.T, kQ});
-    const Tensor q_weight = random_tensor(device_, DType::kBFloat16, {kQ}, rng);
+    SCOPED_TRACE(std::string(dtype_name(c.dtype)) + ", T " + std::to_string(c.T));
+    const Tensor q_c = new_tensor(device_, c.dtype, {c.T, kQ});
+    const Tensor q_weight = random_tensor(device_, c.dtype, {kQ}, rng);
     const QuantOut quant(device_, c.T, kQ);
-    const Tensor kv_c = new_tensor(device_, DType::kBFloat16, {c.T, kKv});
-    const Tensor kv_weight = random_tensor(device_, DType::kBFloat16, {kKv}, rng);
-    const Tensor kv_normed = new_tensor(device_, DType::kBFloat16, {c.T, kKv});
+    const Tensor kv_c = new_tensor(device_, c.dtype, {c.T, kKv});
+    const Tensor kv_weight = random_tensor(device_, c.dtype, {kKv}, rng);
+    const Tensor kv_normed = new_tensor(device_, c.dtype, {c.T, kKv});
     MlaRmsNormQuantParams p;
     p.q.num_tokens = c.T;
     p.q.input = q_c.device_view();

@@ -188,6 +188,13 @@ class DelayedInputRunner {
 constexpr int64_t kT = 64;
 constexpr int64_t kH = 16, kL = 512, kR = 64;
 constexpr int64_t kQLoraRank = 1536;  // q_c's width: rmsnorm_quant's hidden size
+// DeepSeek-V3's hidden size: a width that rmsnorm_quant runs in its generic kernel
+// (rmsnorm_quant_kernel), launched apart from the exact-fit one of q_c's and kv_c's widths.
+constexpr int64_t kHidden = 7168;
+// Elements at the end of every per-token row of the padded cases: no row stride is then a multiple
+// of 16 bytes, so the fused kernel runs its element-wise instance (kVec false), which the launcher
+// dispatches apart from the 16-byte one that every other fused / concat case takes.
+constexpr int64_t kUnalignedRowPad = 3;
 constexpr DType kModel = DType::kBFloat16;
 
 // mla_rope_cache through FusedProblem (random inputs, poisoned outputs, a sentinel cache).
@@ -201,6 +208,14 @@ FusedSpec fused_decode_spec() {
   s.kv_c_out = true;
   s.prefill_q = false;
   s.seed = 11;
+  return s;
+}
+
+FusedSpec fused_decode_padded_spec() {
+  FusedSpec s = fused_decode_spec();
+  s.name = "pdl_decode_padded";
+  s.row_pad = kUnalignedRowPad;
+  s.seed = 13;
   return s;
 }
 
@@ -280,8 +295,9 @@ PdlSetup rotary_embedding_case(Device dev) {
 
 // concat_and_cache_mla with k_pe delayed; or, with normalize_first, the library chain rms_norm ->
 // concat_and_cache_mla (both launched with ctx.pdl) with rms_norm's input kv_c delayed: the
-// rms_norm kernel waits for the producer, the concat kernel for rms_norm's output `normed`.
-PdlSetup concat_and_cache_case(Device dev, bool normalize_first) {
+// rms_norm kernel waits for the producer, the concat kernel for rms_norm's output `normed`. kv_c
+// and k_pe rows end with `row_pad` unused elements.
+PdlSetup concat_and_cache_case(Device dev, bool normalize_first, int64_t row_pad = 0) {
   std::mt19937_64 rng(normalize_first ? 24 : 23);
   CacheGeometry g;
   g.num_blocks = kT / g.block_size + 2;  // some blocks stay untouched
@@ -292,8 +308,8 @@ PdlSetup concat_and_cache_case(Device dev, bool normalize_first) {
   std::shuffle(slots.begin(), slots.end(), rng);
   slots.resize(static_cast<size_t>(kT));
   const Tensor slot_mapping = index_tensor(dev, DType::kInt64, slots);
-  const Tensor kv_c = random_tensor(dev, kModel, {kT, kL}, rng);
-  const Tensor k_pe = random_tensor(dev, kModel, {kT, kR}, rng);
+  const Tensor kv_c = randomized(padded_rows(dev, kModel, kT, kL, row_pad), rng);
+  const Tensor k_pe = randomized(padded_rows(dev, kModel, kT, kR, row_pad), rng);
   ConcatAndCacheMlaParams concat;
   concat.num_tokens = kT;
   concat.kv_c = kv_c.device_view();
@@ -420,13 +436,13 @@ QuantTensors quant_tensors(Device dev, int64_t hidden) {
           poisoned_tensor(dev, DType::kFloat32, {kT, hidden / kDefaultQuantGroupSize})};
 }
 
-PdlSetup rmsnorm_quant_case(Device dev) {
-  std::mt19937_64 rng(28);
-  const Tensor input = random_tensor(dev, kModel, {kT, kQLoraRank}, rng);
-  const Tensor weight = random_tensor(dev, kModel, {kQLoraRank}, rng);
-  const Tensor residual = random_tensor(dev, kModel, {kT, kQLoraRank}, rng);
-  const Tensor normed = poisoned_tensor(dev, kModel, {kT, kQLoraRank});
-  const QuantTensors quant = quant_tensors(dev, kQLoraRank);
+PdlSetup rmsnorm_quant_case(Device dev, int64_t hidden) {
+  std::mt19937_64 rng(hidden == kQLoraRank ? 28 : 31);
+  const Tensor input = random_tensor(dev, kModel, {kT, hidden}, rng);
+  const Tensor weight = random_tensor(dev, kModel, {hidden}, rng);
+  const Tensor residual = random_tensor(dev, kModel, {kT, hidden}, rng);
+  const Tensor normed = poisoned_tensor(dev, kModel, {kT, hidden});
+  const QuantTensors quant = quant_tensors(dev, hidden);
   RmsNormQuantParams p;
   p.num_tokens = kT;
   p.input = input.device_view();
@@ -493,6 +509,11 @@ std::vector<PdlCase> pdl_cases() {
       // NaN kv_c: NaN rows out of the RMSNorm, into the cache and kv_c_out.
       {"fused_decode_kv_c",
        [](Device d) { return fused_case(fused_decode_spec(), &FusedProblem::kv_c, "kv_c", d); }},
+      // The same in the element-wise instance (padded rows).
+      {"fused_decode_padded_kv_c",
+       [](Device d) {
+         return fused_case(fused_decode_padded_spec(), &FusedProblem::kv_c, "kv_c", d);
+       }},
       // NaN q_pe: NaN rope parts of q_out.
       {"fused_decode_q_pe",
        [](Device d) { return fused_case(fused_decode_spec(), &FusedProblem::q_pe, "q_pe", d); }},
@@ -524,6 +545,9 @@ std::vector<PdlCase> pdl_cases() {
       {"rotary_embedding_positions", rotary_embedding_case},
       // NaN k_pe: NaN rope parts of the cache entries.
       {"concat_and_cache_mla_k_pe", [](Device d) { return concat_and_cache_case(d, false); }},
+      // The same in the element-wise instance (padded rows).
+      {"concat_and_cache_mla_padded_k_pe",
+       [](Device d) { return concat_and_cache_case(d, false, kUnalignedRowPad); }},
       // NaN kv_c: NaN normed rows and cache latents (if rms_norm reads early); concat reading
       // `normed` before rms_norm wrote it would cache its 0xA5 poison.
       {"rms_norm_then_concat_and_cache_mla_kv_c",
@@ -536,7 +560,9 @@ std::vector<PdlCase> pdl_cases() {
       {"gather_cache_sequences_kv_cache", gather_cache_sequences_case},
       // NaN input: NaN residual, normed_out and e4m3 codes; the scales fall to the floor (the
       // group max ignores NaN).
-      {"rmsnorm_quant_input", rmsnorm_quant_case},
+      {"rmsnorm_quant_input", [](Device d) { return rmsnorm_quant_case(d, kQLoraRank); }},
+      // The same in the generic kernel (N = 7168).
+      {"rmsnorm_quant_generic_input", [](Device d) { return rmsnorm_quant_case(d, kHidden); }},
       // NaN kv_c (the second task's blocks): NaN kv_normed rows.
       {"mla_rmsnorm_quant_kv_c", mla_rmsnorm_quant_case},
       // NaN input: NaN e4m3 codes, scales at the floor.
