@@ -23,7 +23,8 @@ struct Context {
   // Optional [kNumErrorCounters] int32 in the op's device memory (host memory for the CPU backend).
   int32_t* error_counts = nullptr;
   // Debug mode: synchronize after the op and throw mlakv::Error if it counted anything. Needs
-  // error_counts; reads device memory on the host, so not for CUDA-graph capture.
+  // error_counts; reads device memory on the host, so not for CUDA-graph capture. The ops that
+  // count nothing (rmsnorm_quant.h) ignore it and error_counts.
   bool checked = false;
   // CPU backend threads; 0 = all hardware threads (OpenMP's default); more than the hardware's
   // threads count as all of them.
