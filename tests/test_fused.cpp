@@ -189,31 +189,23 @@ std::vector<FusedSpec> q_side_specs() {
   // Rope widths up to DESIGN.md's largest, R = 256, and R = 128 (a fixed-length loop on the CPU):
   // bf16 and e4m3 q_out, both pair styles, k_pe_out into a poisoned buffer (a value left unrotated
   // or unwritten shows). The e4m3 q_out goes with an e4m3 cache.
-  // On CUDA: R = 48 and 96 are multiples of 8 whose R / 8 does not divide a warp's 32 lanes (no
-  // chunked rope items, even for GPT-J), and R = 128 with 16 heads has more heads than one
-  // element-wise rope item takes (8 / ceil(R / 64) = 4).
-  {
-    constexpr ModelShape kRope128{"rope128", 4, 256, 128, 64};
-    constexpr ModelShape kRope256{"rope256", 2, 128, 256, 32};
-    constexpr ModelShape kRope128H16{"rope128h16", 16, 256, 128, 64};
-    constexpr ModelShape kRope48{"rope48", 8, 256, 48, 64};
-    constexpr ModelShape kRope96{"rope96", 6, 256, 96, 64};
-    for (const ModelShape& shape : {kRope128, kRope256, kRope128H16, kRope48, kRope96}) {
-      for (bool fp8 : {false, true}) {
-        for (RopeStyle style : {RopeStyle::kGptJ, RopeStyle::kNeox}) {
-          FusedSpec s = base(shape, fp8 ? kFormats[3] : kFormats[0], 9, 4);
-          s.style = style;
-          s.k_pe_out = true;
-          if (fp8) {
-            s.q_out_dtype = DType::kFloat8E4M3;
-            s.q_scale = 0.05f;
-          }
-          add(s, std::string(fp8 ? "qout_e4m3" : "qout_bf16") +
-                     (style == RopeStyle::kNeox ? "_neox" : "_gptj"));
+  auto add_rope_width = [&](const ModelShape& shape) {
+    for (bool fp8 : {false, true}) {
+      for (RopeStyle style : {RopeStyle::kGptJ, RopeStyle::kNeox}) {
+        FusedSpec s = base(shape, fp8 ? kFormats[3] : kFormats[0], 9, 4);
+        s.style = style;
+        s.k_pe_out = true;
+        if (fp8) {
+          s.q_out_dtype = DType::kFloat8E4M3;
+          s.q_scale = 0.05f;
         }
+        add(s, std::string(fp8 ? "qout_e4m3" : "qout_bf16") +
+                   (style == RopeStyle::kNeox ? "_neox" : "_gptj"));
       }
     }
-  }
+  };
+  add_rope_width(ModelShape{"rope128", 4, 256, 128, 64});
+  add_rope_width(ModelShape{"rope256", 2, 128, 256, 32});
   {
     // All-zero fp8_ds_mla tiles without a norm: scale FLT_MIN, bytes 0.
     FusedSpec s = base(kDeepSeekV3Tp8, kFormats[6], 33, 13);
@@ -297,6 +289,13 @@ std::vector<FusedSpec> q_side_specs() {
     m.row_pad = 3;
     add(m, "large_mixed_padded");
   }
+  // More rope widths (last, so the cases above keep their seeds). On CUDA: R = 48 and 96 are
+  // multiples of 8 whose R / 8 does not divide a warp's 32 lanes (element-wise rope items, even
+  // for GPT-J), and R = 128 with 16 heads has more heads than one element-wise rope item takes
+  // (8 / ceil(R / 64) = 4).
+  add_rope_width(ModelShape{"rope128h16", 16, 256, 128, 64});
+  add_rope_width(ModelShape{"rope48", 8, 256, 48, 64});
+  add_rope_width(ModelShape{"rope96", 6, 256, 96, 64});
   return std::move(add).specs();
 }
 

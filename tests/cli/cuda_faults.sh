@@ -60,7 +60,7 @@ while IFS='|' read -r name fault args msg; do
   # $bench and $args split into words on purpose.
   case_ "bench_$name" "$fault" 2 "CHECK FAILED: $msg" -- $bench $args
 done <<'CASES'
-unfused_cache_first|concat_and_cache_mla:kv_cache|decode_bf16 --tokens 1|cache differs from unfused at byte 0 
+unfused_cache_first|concat_and_cache_mla:kv_cache|decode_bf16 --tokens 1|cache differs from unfused at byte 0 of
 unfused_not_run|concat_and_cache_mla:skip|decode_bf16 --tokens 1|cache differs from unfused
 unfused_q_out_last|decode_q_concat:q_out:last|decode_fp8 --tokens 2|q_out differs from unfused
 unfused_q_last_row|rotary_embedding:query:last|mixed_bf16 --tokens 3|q (prefill rows) differs from unfused
