@@ -19,14 +19,13 @@ failed=0
 case_() {
   name=$1 fault=$2
   shift 2
-  if MLAKV_FAULT=$fault $expect "$@" </dev/null >"${TMPDIR:-/tmp}/mlakv_cuda_fault.$$" 2>&1; then
+  if out=$(MLAKV_FAULT=$fault $expect "$@" </dev/null 2>&1); then
     echo "ok      $name"
   else
     echo "FAILED  $name (MLAKV_FAULT=$fault)"
-    sed 's/^/        /' "${TMPDIR:-/tmp}/mlakv_cuda_fault.$$"
+    printf '%s\n' "$out" | sed 's/^/        /'
     failed=1
   fi
-  rm -f "${TMPDIR:-/tmp}/mlakv_cuda_fault.$$"
 }
 
 # check --backend cuda: 10 cases (2 seeds x 5 configs) against the host reference.
