@@ -14,9 +14,11 @@ namespace test {
 // ---- backends ----------------------------------------------------------------------------------
 std::vector<Backend> all_backends() {
   std::vector<Backend> out{{"cpu", Device{DeviceType::kCPU, 0}}};
-  if (cuda_backend_built() && cuda_device_count() > 0) {
-    out.push_back({"cuda0", Device{DeviceType::kCUDA, 0}});
-  }
+  const int gpus = cuda_backend_built() ? cuda_device_count() : 0;
+  if (gpus > 0) out.push_back({"cuda0", Device{DeviceType::kCUDA, 0}});
+  // A second GPU's tensors while cuda:0 stays the current device: each op must select its
+  // tensors' device itself.
+  if (gpus > 1) out.push_back({"cuda1", Device{DeviceType::kCUDA, 1}});
   return out;
 }
 

@@ -26,10 +26,10 @@ constexpr uint8_t kSentinelByte = 0x5C;
 
 // ---- backends ----------------------------------------------------------------------------------
 struct Backend {
-  std::string name;  // "cpu", "cuda0"
+  std::string name;  // "cpu", "cuda0", "cuda1"
   Device device;
 };
-// CPU always; cuda:0 when the CUDA backend is built and a GPU is visible.
+// CPU always; cuda:0 when the CUDA backend is built and a GPU is visible; cuda:1 when two are.
 std::vector<Backend> all_backends();
 void PrintTo(const Backend& backend, std::ostream* os);
 std::string backend_param_name(const testing::TestParamInfo<Backend>& info);

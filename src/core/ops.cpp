@@ -12,13 +12,13 @@ namespace mlakv {
 namespace {
 
 #ifdef MLAKV_WITH_CUDA
-#define MLAKV_DISPATCH(fn, device, args, ctx) \
-  do {                                        \
-    if ((device).type == DeviceType::kCPU) {  \
-      cpu::fn((args), (ctx));                 \
-    } else {                                  \
-      cuda::fn((args), (ctx));                \
-    }                                         \
+#define MLAKV_DISPATCH(fn, device, args, ctx)  \
+  do {                                         \
+    if ((device).type == DeviceType::kCPU) {   \
+      cpu::fn((args), (ctx));                  \
+    } else {                                   \
+      cuda::fn((args), (ctx), (device).index); \
+    }                                          \
   } while (0)
 #else
 // Validation already rejects CUDA tensors in a CPU-only build; this is the second line of defence.

@@ -147,7 +147,7 @@ class VecCheck {
 };
 
 // Selects `device` for the lifetime of the guard, then restores the previous device (host code:
-// the runtime helpers and rmsnorm_quant, which take the tensors' device index).
+// every op's launcher and the runtime helpers, which take the tensors' device index).
 class DeviceGuard {
  public:
   explicit DeviceGuard(int device) {
