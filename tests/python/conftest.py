@@ -49,7 +49,14 @@ def _cuda_ready():
     return torch.cuda.is_available() and mlakv.cuda_kernels_available()
 
 
-DEVICES = ["cpu"] + (["cuda"] if _cuda_ready() else [])
+def _cuda_devices():
+    """The current GPU, and cuda:1 when two are visible: its tensors while cuda:0 stays current."""
+    if not _cuda_ready():
+        return []
+    return ["cuda"] + (["cuda:1"] if torch.cuda.device_count() > 1 else [])
+
+
+DEVICES = ["cpu"] + _cuda_devices()
 requires_cuda = pytest.mark.skipif(not _cuda_ready(),
                                    reason="needs a GPU and the extension's CUDA kernels")
 

@@ -12,21 +12,13 @@ import torch
 
 mlakv = pytest.importorskip("mlakv")
 from mlakv import reference as ref  # noqa: E402 (after the skip when mlakv is missing)
+from conftest import requires_cuda  # noqa: E402 (the `device` fixture comes from conftest too)
 
 if not hasattr(torch.ops.mlakv, "rmsnorm_quant"):
     pytest.skip("the mlakv extension has no rmsnorm_quant", allow_module_level=True)
 
 _ops = torch.ops.mlakv
 E4M3_MAX = 448.0
-
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() and mlakv.cuda_kernels_available()
-                     else [])
-
-
-@pytest.fixture(params=DEVICES)
-def device(request):
-    return request.param
-
 
 # ---- reference ---------------------------------------------------------------------------------
 def ref_rms_norm(x, weight, eps, residual=None):
@@ -323,7 +315,7 @@ def test_torch_compile_fullgraph(device):
     assert_bytes_equal(scales, s)
 
 
-@pytest.mark.skipif("cuda" not in DEVICES, reason="needs a GPU and the extension's CUDA kernels")
+@requires_cuda
 def test_cuda_graph_capture():
     T, N = 64, 1536
     x = rand_rows(T, N, torch.bfloat16, "cuda", seed=19, pad_rows=0)
