@@ -866,14 +866,16 @@ int run_bench(const BenchOptions& options) {
   if (backend == "cuda") {
 #ifdef MLAKV_WITH_CUDA
     MLAKV_CHECK(cuda_device_count() > 0, "bench: --backend cuda: no CUDA device is visible");
-    timer = make_cuda_timer(0, options.iters, options.pdl);
-    device_text = "cuda:0 " + cuda_device_description(0);
+    check_cuda_device("bench", options.device);
+    timer = make_cuda_timer(options.device, options.iters, options.pdl);
+    device_text = cuda_device_description(options.device);
 #else
     MLAKV_FAIL("bench: --backend cuda: mlakv was built without the CUDA backend");
 #endif
   } else {
     MLAKV_CHECK(!options.pdl, "bench: --pdl: programmatic dependent launch is a CUDA feature, got ",
                 "--backend ", backend);
+    MLAKV_CHECK(options.device == 0, "bench: --device: names a GPU, got --backend ", backend);
     timer = make_cpu_timer(options.iters);
     device_text = "cpu";
   }

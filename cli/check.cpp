@@ -458,7 +458,8 @@ int run_check(const CheckOptions& options) {
   if (want_cpu) backends.push_back({"cpu", Device{DeviceType::kCPU, 0}});
   if (want_cuda) {
     if (cuda_available()) {
-      backends.push_back({"cuda", Device{DeviceType::kCUDA, 0}});
+      check_cuda_device("check", options.device);
+      backends.push_back({"cuda", Device{DeviceType::kCUDA, options.device}});
     } else if (options.backend == "cuda") {
       std::fprintf(stderr, "mlakv check: --backend cuda: %s\n",
                    cuda_backend_built() ? "no CUDA device is visible"
@@ -469,10 +470,15 @@ int run_check(const CheckOptions& options) {
                   cuda_backend_built() ? "no CUDA device visible" : "CUDA backend not built");
     }
   }
+  const bool on_cuda = !backends.empty() && backends.back().first == "cuda";
+  MLAKV_CHECK(on_cuda || options.device == 0, "check: --device: names the CUDA backend's GPU, ",
+              "but no CUDA backend runs (--backend ", options.backend, ")");
   const bool cross = backends.size() == 2;
   std::printf("mlakv check: %d seeds per config, backends:", options.seeds);
   for (const auto& b : backends) std::printf(" %s", b.first.c_str());
-  std::printf(" (vs host reference%s)\n", cross ? "; cuda also vs cpu" : "");
+  std::printf(" (vs host reference%s)", cross ? "; cuda also vs cpu" : "");
+  if (on_cuda) std::printf("; cuda = cuda:%d", options.device);
+  std::printf("\n");
   std::fflush(stdout);
 
   const bool progress = stderr_is_terminal();

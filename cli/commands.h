@@ -16,6 +16,7 @@ struct CheckOptions {
   uint64_t first_seed = 1;
   std::string backend = "all";  // cpu | cuda | all
   bool verbose = false;         // one line per case instead of per config
+  int device = 0;               // the CUDA backend's GPU (cuda:N)
 };
 // `mlakv check`: randomized differential test of every backend against the reference.
 int run_check(const CheckOptions& options);
@@ -29,6 +30,7 @@ struct BenchOptions {
   bool skip_check = false;             // skip the correctness check before timing
   bool pdl = false;                    // CUDA: every timed op with programmatic dependent launch
   float q_scale = 0.01953125f;         // the fp8 q_out workloads' q_scale (5 / 256)
+  int device = 0;                      // the CUDA backend's GPU (cuda:N)
 };
 // `mlakv bench`: DeepSeek-V3 shapes, fused op vs unfused primitives vs a copy of the same bytes.
 int run_bench(const BenchOptions& options);

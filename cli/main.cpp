@@ -34,6 +34,11 @@ int run(int argc, char** argv) {
       ->check(CLI::IsMember({"cpu", "cuda", "all"}))
       ->capture_default_str();
   check->add_flag("-v,--verbose", check_options.verbose, "One line per case");
+  check
+      ->add_option("--device", check_options.device,
+                   "The CUDA backend's GPU, cuda:N (the current device stays cuda:0)")
+      ->check(CLI::Range(0, 1023))
+      ->capture_default_str();
 
   BenchOptions bench_options;
   CLI::App* bench = app.add_subcommand(
@@ -65,6 +70,9 @@ int run(int argc, char** argv) {
       ->add_option("--q-scale", bench_options.q_scale,
                    "The fp8 q_out workloads' q_scale (the scale q_out is quantized by)")
       ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  bench->add_option("--device", bench_options.device, "The CUDA backend's GPU, cuda:N")
+      ->check(CLI::Range(0, 1023))
       ->capture_default_str();
 
   CLI11_PARSE(app, argc, argv);

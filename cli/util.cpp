@@ -206,5 +206,11 @@ bool stderr_is_terminal() { return isatty(STDERR_FILENO) == 1; }
 
 bool cuda_available() { return cuda_backend_built() && cuda_device_count() > 0; }
 
+void check_cuda_device(const char* command, int device) {
+  const int count = cuda_device_count();
+  MLAKV_CHECK(device >= 0 && device < count, command, ": --device: expected a GPU index below ",
+              count, " (the visible CUDA devices), got ", device);
+}
+
 }  // namespace cli
 }  // namespace mlakv

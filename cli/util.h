@@ -91,6 +91,8 @@ bool stderr_is_terminal();
 
 // The backends the command line can name: "cpu", "cuda"; "cuda" needs the CUDA backend and a GPU.
 bool cuda_available();
+// Throws (the command exits 2) unless cuda:`device` is a visible GPU; names `command`'s --device.
+void check_cuda_device(const char* command, int device);
 
 }  // namespace cli
 }  // namespace mlakv

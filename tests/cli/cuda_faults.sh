@@ -77,5 +77,25 @@ case_ bench_fused_counter mla_rope_cache:counter 2 "non-zero counters: bad_slot 
 case_ bench_skip_check concat_and_cache_mla:kv_cache 0 "^decode_bf16  *1 " \
   -- $bench decode_bf16 --tokens 1 --skip-check
 
+# --device: past the last GPU the commands refuse; with two GPUs, check and bench on cuda:1 (the
+# current device stays cuda:0 in check) must still see a fault in the CUDA run alone.
+case_ check_device_past_the_last none:none 2 "--device: expected a GPU index below" \
+  -- $faulty check --backend cuda --seeds 1 --device 1023
+case_ bench_device_past_the_last none:none 2 "--device: expected a GPU index below" \
+  -- $bench decode_bf16 --tokens 1 --device 1023
+gpus=$("$faulty" info 2>&1 | sed -nE 's/^  cuda: built, ([0-9]+) visible device.*/\1/p')
+if [ "${gpus:-0}" -ge 2 ]; then
+  case_ check_device1_cuda_vs_cpu mla_rope_cache@cuda:kv_cache 1 \
+    "summary: 30 comparisons, 20 mismatches: FAIL" "cuda = cuda:1" \
+    "MISMATCH cuda vs cpu: seed .*: kv_cache: byte 0 of" $both --device 1
+  case_ check_device1_pass none:none 0 "summary: 30 comparisons, 0 mismatches: PASS" $both --device 1
+  case_ bench_device1_unfused concat_and_cache_mla:kv_cache 2 \
+    "CHECK FAILED: cache differs from unfused at byte 0 of" -- $bench decode_bf16 --tokens 1 --device 1
+  case_ bench_device1 none:none 0 "^mlakv bench: cuda:1 " "^decode_bf16  *1 " \
+    -- $bench decode_bf16 --tokens 1 --device 1
+else
+  echo "skip    the cuda:1 cases ($gpus visible GPU)"
+fi
+
 [ $failed -eq 0 ] && echo "cuda_faults.sh: all cases passed"
 exit $failed

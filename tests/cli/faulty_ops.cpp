@@ -17,10 +17,10 @@
 //           `mlakv check --backend all` must find the CUDA run apart from the CPU run.
 //
 // A byte in host memory is flipped through its pointer. One in CUDA device memory (a CUDA build)
-// is read back, flipped and written again after cudaDeviceSynchronize. While the op's stream is
-// being captured into a CUDA graph (the bench's timed runs) no byte is changed: the eager runs
-// before the capture are the ones checked. CMakeLists.txt passes `--wrap` for every mangled mlakv
-// name spelled in this file.
+// is read back, flipped and written again after cudaDeviceSynchronize of its GPU. While the op's
+// stream is being captured into a CUDA graph (the bench's timed runs) no byte is changed: the eager
+// runs before the capture are the ones checked. CMakeLists.txt passes `--wrap` for every mangled
+// mlakv name spelled in this file.
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -84,14 +84,14 @@ void cuda_ok(cudaError_t e, const char* what) {
 }
 
 // Without a usable device (a CUDA build on a machine without a GPU) both queries fail: every
-// pointer is then host memory and nothing is being captured.
-bool in_device_memory(const void* p) {
+// pointer is then host memory and nothing is being captured. The GPU that holds `p`, or -1.
+int device_of(const void* p) {
   cudaPointerAttributes a{};
   if (cudaPointerGetAttributes(&a, p) != cudaSuccess) {
     (void)cudaGetLastError();
-    return false;
+    return -1;
   }
-  return a.type == cudaMemoryTypeDevice || a.type == cudaMemoryTypeManaged;
+  return a.type == cudaMemoryTypeDevice || a.type == cudaMemoryTypeManaged ? a.device : -1;
 }
 
 bool capturing(const mlakv::Context& ctx) {
@@ -103,7 +103,7 @@ bool capturing(const mlakv::Context& ctx) {
   return status != cudaStreamCaptureStatusNone;
 }
 #else
-bool in_device_memory(const void*) { return false; }
+int device_of(const void*) { return -1; }
 bool capturing(const mlakv::Context&) { return false; }
 #endif
 
@@ -111,16 +111,22 @@ bool capturing(const mlakv::Context&) { return false; }
 // memory.
 template <typename T, typename Change>
 void modify(T* p, Change change) {
-  if (!in_device_memory(p)) {
+  const int device = device_of(p);
+  if (device < 0) {
     if (!fault().cuda_only) change(*p);
     return;
   }
 #if MLAKV_WITH_CUDA
+  // On the GPU that holds p (the op ran there; `check --device N` keeps cuda:0 current).
+  int current = 0;
+  cuda_ok(cudaGetDevice(&current), "the current device");
+  cuda_ok(cudaSetDevice(device), "select the op's device");
   T value;
   cuda_ok(cudaDeviceSynchronize(), "after the op");
   cuda_ok(cudaMemcpy(&value, p, sizeof(T), cudaMemcpyDeviceToHost), "read back");
   change(value);
   cuda_ok(cudaMemcpy(p, &value, sizeof(T), cudaMemcpyHostToDevice), "write");
+  cuda_ok(cudaSetDevice(current), "restore the current device");
 #endif
 }
 
