@@ -868,7 +868,7 @@ int run_bench(const BenchOptions& options) {
     MLAKV_CHECK(cuda_device_count() > 0, "bench: --backend cuda: no CUDA device is visible");
     check_cuda_device("bench", options.device);
     timer = make_cuda_timer(options.device, options.iters, options.pdl);
-    device_text = cuda_device_description(options.device);
+    device_text = cuda_device_description(timer->device().index);  // the GPU it times on
 #else
     MLAKV_FAIL("bench: --backend cuda: mlakv was built without the CUDA backend");
 #endif

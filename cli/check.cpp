@@ -477,7 +477,7 @@ int run_check(const CheckOptions& options) {
   std::printf("mlakv check: %d seeds per config, backends:", options.seeds);
   for (const auto& b : backends) std::printf(" %s", b.first.c_str());
   std::printf(" (vs host reference%s)", cross ? "; cuda also vs cpu" : "");
-  if (on_cuda) std::printf("; cuda = cuda:%d", options.device);
+  if (on_cuda) std::printf("; cuda = %s", device_name(backends.back().second).c_str());
   std::printf("\n");
   std::fflush(stdout);
 
