@@ -34,7 +34,7 @@ int run_info() {
   const int count = cuda_device_count();
   std::printf("  cuda: built, %d visible device%s\n", count, count == 1 ? "" : "s");
   for (int i = 0; i < count; ++i) {
-    std::printf("    cuda:%d %s\n", i, cuda_device_description(i).c_str());
+    std::printf("    %s\n", cuda_device_description(i).c_str());  // "cuda:N <name>, ..."
   }
   return 0;
 }

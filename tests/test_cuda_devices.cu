@@ -1,7 +1,9 @@
 // mlakv tests (CUDA builds; skipped with fewer than two visible devices): every op runs on its
-// tensors' device and leaves the caller's current device as it was. The values of each op on a
-// second GPU are checked by the backend-parameterized suites (their "cuda1" instances, run while
-// cuda:0 stays current); this checks the current device around each launch.
+// tensors' device and leaves the caller's current device as it was. With cuda:0 current, each
+// launcher runs on cuda:1's tensors: its bytes must equal the CPU backend's, neither GPU may report
+// an error, and cuda:0 must still be current afterwards. The backend-parameterized suites also run
+// every case on cuda:1 (their "cuda1" instances, on the default stream); this adds a stream of
+// cuda:1 with programmatic dependent launch and checked mode.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -27,79 +29,127 @@ class CudaDevices : public testing::Test {
     ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
   }
 
-  // Runs `op` on cuda:1's tensors while cuda:0 is current; the op must finish without error on
-  // cuda:1 and leave cuda:0 current.
+  // Runs `op` on cuda:1's tensors while cuda:0 is current: it must finish without error on both
+  // GPUs (a launch on cuda:0 with cuda:1's pointers faults there) and leave cuda:0 current.
   void expect_runs_on_gpu1(const std::string& what, const std::function<void()>& op) const {
     SCOPED_TRACE(what);
     ASSERT_NO_THROW(op());
     int current = -1;
     ASSERT_EQ(cudaGetDevice(&current), cudaSuccess);
     EXPECT_EQ(current, 0) << what << " changed the current device";
+    ASSERT_NO_THROW(device_synchronize(gpu0_));
     ASSERT_NO_THROW(device_synchronize(gpu1_));
   }
 
+  const Device gpu0_{DeviceType::kCUDA, 0};
   const Device gpu1_{DeviceType::kCUDA, 1};
   std::mt19937_64 rng_{20261205};
 };
 
-TEST_F(CudaDevices, EveryOpKeepsTheCallersCurrentDevice) {
+TEST_F(CudaDevices, EveryOpRunsOnItsTensorsGpuAndKeepsTheCurrentOne) {
   constexpr int64_t T = 5;
   constexpr int64_t N = 1536;
+  const Tensor x = random_tensor(gpu1_, DType::kBFloat16, {T, N}, rng_);
+  const Tensor w = random_tensor(gpu1_, DType::kBFloat16, {N}, rng_);
 
+  // The expected bytes: each op's CPU backend on the host mirrors.
+  const Tensor y = poisoned_tensor(gpu1_, DType::kBFloat16, {T, N});
+  RmsNormParams norm_host, norm;
+  fill_host_and_device(norm_host, norm, [&](RmsNormParams* p, auto view) {
+    p->num_tokens = T;
+    p->input = view(x);
+    p->weight = view(w);
+    p->output = view(y);
+  });
+  rms_norm(norm_host);
+  expect_runs_on_gpu1("rms_norm", [&] { rms_norm(norm); });
+  EXPECT_TRUE(buffer_matches(*y.buffer, "rms_norm output"));
+
+  const Tensor values = poisoned_tensor(gpu1_, DType::kFloat8E4M3, {T, N});
+  const Tensor scales = poisoned_tensor(gpu1_, DType::kFloat32, {T, N / kDefaultQuantGroupSize});
+  RmsNormQuantParams quant_host, quant;
+  fill_host_and_device(quant_host, quant, [&](RmsNormQuantParams* p, auto view) {
+    p->num_tokens = T;
+    p->input = view(x);
+    p->weight = view(w);
+    p->quant.values = view(values);
+    p->quant.scales = view(scales);
+  });
+  rmsnorm_quant(quant_host);
+  expect_runs_on_gpu1("rmsnorm_quant", [&] { rmsnorm_quant(quant); });
+  EXPECT_TRUE(buffer_matches(*values.buffer, "rmsnorm_quant values"));
+  EXPECT_TRUE(buffer_matches(*scales.buffer, "rmsnorm_quant scales"));
+
+  constexpr int64_t kRot = 64;
+  const Tensor positions = index_tensor(gpu1_, DType::kInt64, {0, 3, 1, 7, 2});
+  const Tensor query = random_tensor(gpu1_, DType::kBFloat16, {T, 2, kRot}, rng_);
+  const Tensor cos_sin = random_tensor(gpu1_, DType::kFloat32, {8, kRot}, rng_, 1.0f);
+  RotaryEmbeddingParams rotary_host, rotary;
+  fill_host_and_device(rotary_host, rotary, [&](RotaryEmbeddingParams* p, auto view) {
+    p->num_tokens = T;
+    p->positions = view(positions);
+    p->query = view(query);
+    p->cos_sin_cache = view(cos_sin);
+  });
+  rotary_embedding(rotary_host);
+  expect_runs_on_gpu1("rotary_embedding", [&] { rotary_embedding(rotary); });
+  EXPECT_TRUE(buffer_matches(*query.buffer, "rotary_embedding query"));
+
+  const CacheGeometry geometry;
+  TestCache cache = new_cache(gpu1_, geometry);
+  fill_cache_with_entries(gpu1_, cache, rng_);
+  const Tensor slots = index_tensor(gpu1_, DType::kInt64, {0, 17, -1, 40, 3});
+  const Tensor out = poisoned_tensor(gpu1_, DType::kBFloat16, {T, geometry.L + geometry.R});
+  GatherCacheSlotsParams gather_host, gather;
+  fill_host_and_device(gather_host, gather, [&](GatherCacheSlotsParams* p, auto view) {
+    p->num_tokens = T;
+    p->kv_cache = view(cache);
+    p->slots = view(slots);
+    p->out = view(out);
+  });
+  gather_cache_slots(gather_host);
+  expect_runs_on_gpu1("gather_cache_slots", [&] { gather_cache_slots(gather); });
+  EXPECT_TRUE(buffer_matches(*out.buffer, "gather_cache_slots out"));
+
+  // The fused op (mla_rope_cache's launcher; concat_and_cache_mla and decode_q_concat share it),
+  // against the reference.
   FusedSpec spec;
   spec.name = "gpu1_mixed";
   spec.shape = kDeepSeekV3H2;
   spec.T = 9;
   spec.Td = 4;
   spec.entry = Entry::kMixed;
-  spec.prefill_q = true;
   spec.norm = true;
-  // The fused op (mla_rope_cache's launcher; concat_and_cache_mla and decode_q_concat share it),
-  // with its values checked against the reference.
   expect_runs_on_gpu1("mla_rope_cache", [&] { run_fused_case(spec, gpu1_); });
+}
 
-  const Tensor x = random_tensor(gpu1_, DType::kBFloat16, {T, N}, rng_);
-  const Tensor w = random_tensor(gpu1_, DType::kBFloat16, {N}, rng_);
-  const Tensor y = poisoned_tensor(gpu1_, DType::kBFloat16, {T, N});
-  RmsNormParams norm;
-  norm.num_tokens = T;
-  norm.input = x.device_view();
-  norm.weight = w.device_view();
-  norm.output = y.device_view();
-  expect_runs_on_gpu1("rms_norm", [&] { rms_norm(norm); });
+// A stream of cuda:1, programmatic dependent launch and checked mode (counters read before and
+// after on that stream), with cuda:0 current.
+TEST_F(CudaDevices, TheFusedOpOnAStreamOfTheSecondGpu) {
+  cudaStream_t stream = nullptr;
+  ASSERT_EQ(cudaSetDevice(1), cudaSuccess);
+  const cudaError_t created = cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
+  ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
+  ASSERT_EQ(created, cudaSuccess);
 
-  const Tensor values = poisoned_tensor(gpu1_, DType::kFloat8E4M3, {T, N});
-  const Tensor scales = poisoned_tensor(gpu1_, DType::kFloat32, {T, N / kDefaultQuantGroupSize});
-  RmsNormQuantParams quant;
-  quant.num_tokens = T;
-  quant.input = x.device_view();
-  quant.weight = w.device_view();
-  quant.quant.values = values.device_view();
-  quant.quant.scales = scales.device_view();
-  expect_runs_on_gpu1("rmsnorm_quant", [&] { rmsnorm_quant(quant); });
-
-  constexpr int64_t kRot = 64;
-  const Tensor positions = index_tensor(gpu1_, DType::kInt64, {0, 3, 1, 7, 2});
-  const Tensor query = random_tensor(gpu1_, DType::kBFloat16, {T, 2, kRot}, rng_);
-  const Tensor cos_sin = random_tensor(gpu1_, DType::kFloat32, {8, kRot}, rng_, 1.0f);
-  RotaryEmbeddingParams rotary;
-  rotary.num_tokens = T;
-  rotary.positions = positions.device_view();
-  rotary.query = query.device_view();
-  rotary.cos_sin_cache = cos_sin.device_view();
-  expect_runs_on_gpu1("rotary_embedding", [&] { rotary_embedding(rotary); });
-
-  CacheGeometry geometry;
-  TestCache cache = new_cache(gpu1_, geometry);
-  fill_cache_with_entries(gpu1_, cache, rng_);
-  const Tensor slots = index_tensor(gpu1_, DType::kInt64, {0, 17, -1, 40, 3});
-  const Tensor out = poisoned_tensor(gpu1_, DType::kBFloat16, {T, geometry.L + geometry.R});
-  GatherCacheSlotsParams gather;
-  gather.num_tokens = T;
-  gather.kv_cache = cache.device_view();
-  gather.slots = slots.device_view();
-  gather.out = out.device_view();
-  expect_runs_on_gpu1("gather_cache_slots", [&] { gather_cache_slots(gather); });
+  FusedSpec spec;
+  spec.name = "gpu1_stream";
+  spec.shape = kDeepSeekV3H2;
+  spec.T = 12;
+  spec.Td = 5;
+  spec.entry = Entry::kMixed;
+  spec.q_out_dtype = DType::kFloat8E4M3;
+  spec.q_scale = 0.5f;
+  FusedProblem problem(spec, gpu1_);
+  problem.run_reference();
+  Context ctx;
+  ctx.stream = stream;
+  ctx.pdl = true;
+  ctx.checked = true;
+  ctx.error_counts = problem.counts.device_ptr();
+  expect_runs_on_gpu1("mla_rope_cache_mixed on a cuda:1 stream", [&] { problem.launch(ctx); });
+  problem.expect_matches();
+  cudaStreamDestroy(stream);
 }
 
 }  // namespace

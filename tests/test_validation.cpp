@@ -831,6 +831,21 @@ TEST_F(MlaValidation, AllTensorsOnCudaWithoutTheBackendOrWithIndexMinusOne) {
   }
 }
 
+// Tensors on two GPUs: the first tensor on another GPU than the ones before it is named (nothing
+// launches, so no GPU is needed; a CPU-only build rejects CUDA tensors first).
+TEST_F(MlaValidation, TensorsOnTwoGpus) {
+  mlakv::MlaRopeCacheParams p = p_;
+  for (TensorView* t :
+       {&p.positions, &p.slot_mapping, &p.cos_sin_cache, &p.kv_c, &p.k_pe, &p.kv_norm_weight,
+        &p.k_pe_out, &p.kv_c_out, &p.q_pe, &p.ql_nope, &p.q_out, &p.q, &p.q_prefill_out}) {
+    t->device = {mlakv::DeviceType::kCUDA, 0};
+  }
+  p.kv_cache.device = {mlakv::DeviceType::kCUDA, 0};
+  p.q_out.device = {mlakv::DeviceType::kCUDA, 1};
+  reject(p, mlakv::cuda_backend_built() ? "q_out: expected to be on cuda:0"
+                                        : "kv_c: CUDA tensors given but mlakv was built without");
+}
+
 // A dtype value outside the enum is named as such (dtype_size would throw a message without the
 // argument's name).
 TEST_F(MlaValidation, UnknownDtypeValue) {

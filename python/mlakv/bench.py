@@ -286,7 +286,8 @@ def plot(result, path):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="cpu, cuda (the current GPU) or cuda:N")
     p.add_argument("--config", default="deepseek_v3_tp8", choices=sorted(CONFIGS))
     p.add_argument("--cache-format", default="bf16")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
@@ -299,6 +300,15 @@ def main(argv=None):
     p.add_argument("--plot", default="mlakv_bench.png", help="PNG path ('' for none)")
     p.add_argument("--json", default="", help="write the results as JSON here")
     args = p.parse_args(argv)
+    try:
+        device = torch.device(args.device)
+    except RuntimeError as e:
+        p.error(f"--device: {e}")
+    if device.type not in ("cpu", "cuda"):
+        p.error(f"--device: expected cpu, cuda or cuda:N, got {args.device}")
+    if device.type == "cuda" and device.index is not None:
+        torch.cuda.set_device(device)  # the graphs, events and copy probe run on the current GPU
+    args.device = device.type
     gpu = args.device == "cuda"
     if args.tokens is None:
         args.tokens = "1,4,16,64,256,1024,4096,16384" if gpu else "1,4,16,64,256"

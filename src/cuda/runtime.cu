@@ -2,6 +2,7 @@
 //
 // The memory helpers and device facts take a device index and select it for the call (restoring
 // the caller's device afterwards); the error-counter calls are stream-ordered on the given stream.
+#include <cuda.h>  // the driver API's types only: its functions are reached through the runtime
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -14,6 +15,40 @@
 
 namespace mlakv {
 namespace cuda {
+
+namespace {
+
+// A driver API function by name, reached through the runtime (no link against libcuda); nullptr
+// when the driver lacks it.
+void* driver_function(const char* name) {
+  void* fn = nullptr;
+  cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+  if (cudaGetDriverEntryPointByVersion(name, &fn, 12000, cudaEnableDefault, &found) !=
+          cudaSuccess ||
+      found != cudaDriverEntryPointSuccess) {
+    (void)cudaGetLastError();
+    return nullptr;
+  }
+  return fn;
+}
+
+}  // namespace
+
+bool primary_context_active(int device) {
+  using DeviceGet = CUresult (*)(CUdevice*, int);
+  using GetState = CUresult (*)(CUdevice, unsigned int*, int*);
+  static const auto device_get = reinterpret_cast<DeviceGet>(driver_function("cuDeviceGet"));
+  static const auto get_state =
+      reinterpret_cast<GetState>(driver_function("cuDevicePrimaryCtxGetState"));
+  CUdevice dev = 0;
+  unsigned int flags = 0;
+  int active = 0;
+  if (device_get == nullptr || get_state == nullptr || device_get(&dev, device) != CUDA_SUCCESS ||
+      get_state(dev, &flags, &active) != CUDA_SUCCESS) {
+    return true;
+  }
+  return active != 0;
+}
 
 int multiprocessor_count() {
   constexpr int kMaxDevices = 64;

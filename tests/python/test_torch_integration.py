@@ -519,3 +519,14 @@ def test_make_fx_symbolic_keeps_the_host_td_symbolic():
     step(*[getattr(y, n) for n in names])
     assert_bytes_equal(x.q_out, y.q_out)
     assert_bytes_equal(x.kv_cache, y.kv_cache)
+
+
+def test_bench_device_argument():
+    """The Python bench's --device takes cpu, cuda or cuda:N and refuses anything else by name."""
+    from mlakv import bench
+    for bad in ("gpu", "meta"):
+        with pytest.raises(SystemExit):
+            bench.main(["--device", bad, "--plot", ""])
+    result = bench.main(["--device", "cpu", "--tokens", "1", "--inner", "1", "--repeats", "1",
+                         "--peak-bytes", "65536", "--plot", "", "--no-compile"])
+    assert result["device"].startswith("cpu") and [r["T"] for r in result["rows"]] == [1]
