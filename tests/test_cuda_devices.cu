@@ -11,6 +11,7 @@
 #include <functional>
 #include <random>
 #include <string>
+#include <vector>
 
 #include "fused_problem.h"
 #include "harness.h"
@@ -41,6 +42,19 @@ class CudaDevices : public testing::Test {
     ASSERT_NO_THROW(device_synchronize(gpu1_));
   }
 
+  // Runs `op` on the host mirrors (the CPU backend: the expected bytes), then on cuda:1 with
+  // expect_runs_on_gpu1, and compares every buffer of `outputs` with its mirror.
+  template <typename Params, typename Fill>
+  void expect_like_the_cpu_on_gpu1(const std::string& what,
+                                   void (*op)(const Params&, const Context&), Fill&& fill,
+                                   const std::vector<const Tensor*>& outputs) const {
+    Params host, device;
+    fill_host_and_device(host, device, fill);
+    op(host, Context{});
+    expect_runs_on_gpu1(what, [&] { op(device, Context{}); });
+    for (const Tensor* t : outputs) EXPECT_TRUE(buffer_matches(*t->buffer, what));
+  }
+
   const Device gpu0_{DeviceType::kCUDA, 0};
   const Device gpu1_{DeviceType::kCUDA, 1};
   std::mt19937_64 rng_{20261205};
@@ -52,64 +66,54 @@ TEST_F(CudaDevices, EveryOpRunsOnItsTensorsGpuAndKeepsTheCurrentOne) {
   const Tensor x = random_tensor(gpu1_, DType::kBFloat16, {T, N}, rng_);
   const Tensor w = random_tensor(gpu1_, DType::kBFloat16, {N}, rng_);
 
-  // The expected bytes: each op's CPU backend on the host mirrors.
   const Tensor y = poisoned_tensor(gpu1_, DType::kBFloat16, {T, N});
-  RmsNormParams norm_host, norm;
-  fill_host_and_device(norm_host, norm, [&](RmsNormParams* p, auto view) {
-    p->num_tokens = T;
-    p->input = view(x);
-    p->weight = view(w);
-    p->output = view(y);
-  });
-  rms_norm(norm_host);
-  expect_runs_on_gpu1("rms_norm", [&] { rms_norm(norm); });
-  EXPECT_TRUE(buffer_matches(*y.buffer, "rms_norm output"));
+  expect_like_the_cpu_on_gpu1<RmsNormParams>("rms_norm", rms_norm,
+                                             [&](RmsNormParams* p, auto view) {
+                                               p->num_tokens = T;
+                                               p->input = view(x);
+                                               p->weight = view(w);
+                                               p->output = view(y);
+                                             },
+                                             {&y});
 
   const Tensor values = poisoned_tensor(gpu1_, DType::kFloat8E4M3, {T, N});
   const Tensor scales = poisoned_tensor(gpu1_, DType::kFloat32, {T, N / kDefaultQuantGroupSize});
-  RmsNormQuantParams quant_host, quant;
-  fill_host_and_device(quant_host, quant, [&](RmsNormQuantParams* p, auto view) {
-    p->num_tokens = T;
-    p->input = view(x);
-    p->weight = view(w);
-    p->quant.values = view(values);
-    p->quant.scales = view(scales);
-  });
-  rmsnorm_quant(quant_host);
-  expect_runs_on_gpu1("rmsnorm_quant", [&] { rmsnorm_quant(quant); });
-  EXPECT_TRUE(buffer_matches(*values.buffer, "rmsnorm_quant values"));
-  EXPECT_TRUE(buffer_matches(*scales.buffer, "rmsnorm_quant scales"));
+  expect_like_the_cpu_on_gpu1<RmsNormQuantParams>("rmsnorm_quant", rmsnorm_quant,
+                                                  [&](RmsNormQuantParams* p, auto view) {
+                                                    p->num_tokens = T;
+                                                    p->input = view(x);
+                                                    p->weight = view(w);
+                                                    p->quant.values = view(values);
+                                                    p->quant.scales = view(scales);
+                                                  },
+                                                  {&values, &scales});
 
   constexpr int64_t kRot = 64;
   const Tensor positions = index_tensor(gpu1_, DType::kInt64, {0, 3, 1, 7, 2});
   const Tensor query = random_tensor(gpu1_, DType::kBFloat16, {T, 2, kRot}, rng_);
   const Tensor cos_sin = random_tensor(gpu1_, DType::kFloat32, {8, kRot}, rng_, 1.0f);
-  RotaryEmbeddingParams rotary_host, rotary;
-  fill_host_and_device(rotary_host, rotary, [&](RotaryEmbeddingParams* p, auto view) {
-    p->num_tokens = T;
-    p->positions = view(positions);
-    p->query = view(query);
-    p->cos_sin_cache = view(cos_sin);
-  });
-  rotary_embedding(rotary_host);
-  expect_runs_on_gpu1("rotary_embedding", [&] { rotary_embedding(rotary); });
-  EXPECT_TRUE(buffer_matches(*query.buffer, "rotary_embedding query"));
+  expect_like_the_cpu_on_gpu1<RotaryEmbeddingParams>("rotary_embedding", rotary_embedding,
+                                                     [&](RotaryEmbeddingParams* p, auto view) {
+                                                       p->num_tokens = T;
+                                                       p->positions = view(positions);
+                                                       p->query = view(query);
+                                                       p->cos_sin_cache = view(cos_sin);
+                                                     },
+                                                     {&query});
 
   const CacheGeometry geometry;
   TestCache cache = new_cache(gpu1_, geometry);
   fill_cache_with_entries(gpu1_, cache, rng_);
   const Tensor slots = index_tensor(gpu1_, DType::kInt64, {0, 17, -1, 40, 3});
   const Tensor out = poisoned_tensor(gpu1_, DType::kBFloat16, {T, geometry.L + geometry.R});
-  GatherCacheSlotsParams gather_host, gather;
-  fill_host_and_device(gather_host, gather, [&](GatherCacheSlotsParams* p, auto view) {
-    p->num_tokens = T;
-    p->kv_cache = view(cache);
-    p->slots = view(slots);
-    p->out = view(out);
-  });
-  gather_cache_slots(gather_host);
-  expect_runs_on_gpu1("gather_cache_slots", [&] { gather_cache_slots(gather); });
-  EXPECT_TRUE(buffer_matches(*out.buffer, "gather_cache_slots out"));
+  expect_like_the_cpu_on_gpu1<GatherCacheSlotsParams>("gather_cache_slots", gather_cache_slots,
+                                                      [&](GatherCacheSlotsParams* p, auto view) {
+                                                        p->num_tokens = T;
+                                                        p->kv_cache = view(cache);
+                                                        p->slots = view(slots);
+                                                        p->out = view(out);
+                                                      },
+                                                      {&out});
 
   // The fused op (mla_rope_cache's launcher; concat_and_cache_mla and decode_q_concat share it),
   // against the reference.
