@@ -20,16 +20,31 @@ void gather_cache(const core::GatherCacheArgs& args, const Context& ctx);
 }  // namespace cpu
 
 #ifdef MLAKV_WITH_CUDA
-// Each op selects the tensors' device (device_index) for the launch and restores the caller's
-// current device; it runs on ctx.stream, which must belong to that device.
 namespace cuda {
-void mla_rope_cache(const core::MlaRopeCacheArgs& args, const Context& ctx, int device_index);
-void rotary_embedding(const core::RotaryEmbeddingArgs& args, const Context& ctx, int device_index);
-void concat_and_cache_mla(const core::ConcatAndCacheMlaArgs& args, const Context& ctx,
-                          int device_index);
-void decode_q_concat(const core::DecodeQConcatArgs& args, const Context& ctx, int device_index);
-void rms_norm(const core::RmsNormArgs& args, const Context& ctx, int device_index);
-void gather_cache(const core::GatherCacheArgs& args, const Context& ctx, int device_index);
+// Selects `device` for its lifetime, then restores the caller's current device. The dispatch
+// (ops.cpp, rmsnorm_quant.cpp) holds one around every CUDA op, so each op runs on its tensors'
+// device and on ctx.stream, which must belong to it; the memory and counter helpers below hold
+// their own. A previous device without a context yet (a thread that never used cuda:0, which
+// cudaGetDevice reports by default) is not restored: since CUDA 12 cudaSetDevice creates the
+// context, hundreds of MiB on a GPU the caller never used (PyTorch's device guards skip it too).
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device);
+  ~DeviceGuard();
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  int previous_ = 0;
+  bool switched_ = false;
+};
+
+void mla_rope_cache(const core::MlaRopeCacheArgs& args, const Context& ctx);
+void rotary_embedding(const core::RotaryEmbeddingArgs& args, const Context& ctx);
+void concat_and_cache_mla(const core::ConcatAndCacheMlaArgs& args, const Context& ctx);
+void decode_q_concat(const core::DecodeQConcatArgs& args, const Context& ctx);
+void rms_norm(const core::RmsNormArgs& args, const Context& ctx);
+void gather_cache(const core::GatherCacheArgs& args, const Context& ctx);
 // Error counters and device facts (src/cuda/runtime.cu).
 void reset_error_counts(int32_t* error_counts, int device_index, void* stream);
 void read_error_counts(const int32_t* error_counts, int device_index, int32_t* host_out,

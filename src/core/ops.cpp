@@ -17,7 +17,8 @@ namespace {
     if ((device).type == DeviceType::kCPU) {   \
       cpu::fn((args), (ctx));                  \
     } else {                                   \
-      cuda::fn((args), (ctx), (device).index); \
+      cuda::DeviceGuard guard((device).index); \
+      cuda::fn((args), (ctx));                 \
     }                                          \
   } while (0)
 #else

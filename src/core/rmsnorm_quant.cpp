@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <string>
 
+#include "core/backend.h"
 #include "core/rmsnorm_quant_args.h"
 #include "core/spans.h"
 #include "mlakv/error.h"
@@ -283,7 +284,8 @@ void dispatch(const core::RmsNormQuantArgs& args, Device device, const Context& 
     return;
   }
 #ifdef MLAKV_WITH_CUDA
-  cuda::rmsnorm_quant(args, ctx, device.index);
+  const cuda::DeviceGuard guard(device.index);
+  cuda::rmsnorm_quant(args, ctx);
 #else
   MLAKV_FAIL("rmsnorm_quant: device: ", device_name(device),
              " given but mlakv was built without the CUDA backend");

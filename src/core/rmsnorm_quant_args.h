@@ -60,7 +60,7 @@ void rmsnorm_quant(const core::RmsNormQuantArgs& args, const Context& ctx);
 
 #ifdef MLAKV_WITH_CUDA
 namespace cuda {
-void rmsnorm_quant(const core::RmsNormQuantArgs& args, const Context& ctx, int device_index);
+void rmsnorm_quant(const core::RmsNormQuantArgs& args, const Context& ctx);
 }  // namespace cuda
 #endif
 

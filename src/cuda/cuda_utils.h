@@ -1,12 +1,11 @@
 // mlakv CUDA backend internals (host side): the CUDA error check, the dispatch switches that turn
 // runtime values into template arguments at the launchers, the alignment test of the 16-byte
-// access path, and a device guard.
+// access path.
 //
-// Device selection: the core passes each launcher the tensors' device index, and the launcher
-// holds a DeviceGuard for its launch (ctx.stream must belong to that device). Launch sizes depend
-// on the work (one item per warp); the fused kernel's item size also on the device's
-// multiprocessor count (read once per device and cached, runtime.cu), the one device property a
-// launcher reads.
+// Device selection: the dispatch holds a DeviceGuard (core/backend.h) around every launcher, so a
+// launcher runs on the current device, the tensors'. Launch sizes depend on the work (one item
+// per warp); the fused kernel's item size also on the device's multiprocessor count (read once
+// per device and cached, runtime.cu), the one device property a launcher reads.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -144,40 +143,6 @@ class VecCheck {
 
  private:
   bool ok_ = true;
-};
-
-// Whether `device`'s primary context exists (the driver's cuDevicePrimaryCtxGetState, reached
-// through the runtime; true when it cannot be asked).
-bool primary_context_active(int device);
-
-// Selects `device` for the lifetime of the guard, then restores the previous device (host code:
-// every op's launcher and the runtime helpers, which take the tensors' device index). A previous
-// device without a context yet (a thread that never used cuda:0, which cudaGetDevice reports by
-// default) is not restored: since CUDA 12 cudaSetDevice creates the context, hundreds of MiB on a
-// GPU the caller never used (PyTorch's device guards skip it too).
-class DeviceGuard {
- public:
-  explicit DeviceGuard(int device) {
-    MLAKV_CUDA_CHECK(cudaGetDevice(&previous_));
-    if (device != previous_) {
-      const cudaError_t err = cudaSetDevice(device);
-      if (err != cudaSuccess) {
-        MLAKV_FAIL("cannot select the tensors' device cuda:", device, ": ", cudaGetErrorName(err),
-                   ": ", cudaGetErrorString(err));
-      }
-      switched_ = true;
-    }
-  }
-  ~DeviceGuard() {
-    // A destructor must not throw: a failed restore is left to the caller's next CUDA call.
-    if (switched_ && primary_context_active(previous_)) cudaSetDevice(previous_);
-  }
-  DeviceGuard(const DeviceGuard&) = delete;
-  DeviceGuard& operator=(const DeviceGuard&) = delete;
-
- private:
-  int previous_ = 0;
-  bool switched_ = false;
 };
 
 }  // namespace cuda

@@ -56,9 +56,8 @@ void dispatch_format(const GatherKernelParams& p, bool vec, const Launch& launch
 
 }  // namespace
 
-void gather_cache(const core::GatherCacheArgs& args, const Context& ctx, int device_index) {
+void gather_cache(const core::GatherCacheArgs& args, const Context& ctx) {
   if (args.num_rows <= 0) return;
-  DeviceGuard guard(device_index);
   MLAKV_CHECK(args.kv_lora_rank <= 1024 && args.kv_lora_rank % kChunkElems == 0,
               "kv_cache: ", "expected L <= 1024 and a multiple of 8 on the CUDA backend, got ",
               args.kv_lora_rank);

@@ -260,9 +260,8 @@ void dispatch_format(const MlaRopeCacheKernelParams& p, bool vec, const Launch& 
   MLAKV_FAIL("kv_cache: unknown cache format ", static_cast<int>(p.args.cache.format));
 }
 
-void run(const core::MlaRopeCacheArgs& a, bool apply_rope, const Context& ctx, int device_index) {
+void run(const core::MlaRopeCacheArgs& a, bool apply_rope, const Context& ctx) {
   if (a.num_tokens <= 0) return;
-  DeviceGuard guard(device_index);
   MLAKV_CHECK(a.kv_lora_rank <= 1024 && a.kv_lora_rank % 8 == 0, "kv_c: expected L <= 1024 and ",
               "a multiple of 8 on the CUDA backend, got ", a.kv_lora_rank);
   MLAKV_CHECK(a.rope_dim <= 256 && a.rope_dim % 2 == 0, "k_pe: expected an even R <= 256 on the ",
@@ -278,12 +277,11 @@ void run(const core::MlaRopeCacheArgs& a, bool apply_rope, const Context& ctx, i
 
 }  // namespace
 
-void mla_rope_cache(const core::MlaRopeCacheArgs& args, const Context& ctx, int device_index) {
-  run(args, /*apply_rope=*/true, ctx, device_index);
+void mla_rope_cache(const core::MlaRopeCacheArgs& args, const Context& ctx) {
+  run(args, /*apply_rope=*/true, ctx);
 }
 
-void concat_and_cache_mla(const core::ConcatAndCacheMlaArgs& args, const Context& ctx,
-                          int device_index) {
+void concat_and_cache_mla(const core::ConcatAndCacheMlaArgs& args, const Context& ctx) {
   core::MlaRopeCacheArgs a;
   a.num_tokens = args.num_tokens;
   a.kv_lora_rank = args.kv_lora_rank;
@@ -296,10 +294,10 @@ void concat_and_cache_mla(const core::ConcatAndCacheMlaArgs& args, const Context
   a.stride_k_pe_token = args.stride_k_pe_token;
   a.cache = args.cache;
   a.error_counts = args.error_counts;
-  run(a, /*apply_rope=*/false, ctx, device_index);
+  run(a, /*apply_rope=*/false, ctx);
 }
 
-void decode_q_concat(const core::DecodeQConcatArgs& args, const Context& ctx, int device_index) {
+void decode_q_concat(const core::DecodeQConcatArgs& args, const Context& ctx) {
   if (args.num_heads <= 0) return;
   core::MlaRopeCacheArgs a;
   a.num_tokens = args.num_tokens;
@@ -322,7 +320,7 @@ void decode_q_concat(const core::DecodeQConcatArgs& args, const Context& ctx, in
   a.q_scale = args.q_scale;
   // No K side: the cache format only picks an instantiation.
   a.cache.format = CacheFormat::kBFloat16;
-  run(a, /*apply_rope=*/false, ctx, device_index);
+  run(a, /*apply_rope=*/false, ctx);
 }
 
 }  // namespace cuda

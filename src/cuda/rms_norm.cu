@@ -14,9 +14,8 @@ template void launch_rms_norm_kernel<num::Half, false>(const core::RmsNormArgs&,
 template void launch_rms_norm_kernel<num::Bf16, true>(const core::RmsNormArgs&, const Launch&);
 template void launch_rms_norm_kernel<num::Bf16, false>(const core::RmsNormArgs&, const Launch&);
 
-void rms_norm(const core::RmsNormArgs& args, const Context& ctx, int device_index) {
+void rms_norm(const core::RmsNormArgs& args, const Context& ctx) {
   if (args.num_tokens <= 0 || args.hidden <= 0) return;
-  DeviceGuard guard(device_index);
   const int64_t elem = static_cast<int64_t>(dtype_size(args.model_dtype));
   VecCheck v;
   v.ptr(args.input).stride(args.stride_input_token, elem);

@@ -106,7 +106,7 @@ bool launch_exact_fit(const core::RmsNormQuantArgs& args, int64_t max_norm_hidde
 
 }  // namespace
 
-void rmsnorm_quant(const core::RmsNormQuantArgs& args, const Context& ctx, int device_index) {
+void rmsnorm_quant(const core::RmsNormQuantArgs& args, const Context& ctx) {
   RmsNormQuantKernelParams params;
   params.tasks[0] = args.tasks[0];
   if (args.num_tasks > 1) params.tasks[1] = args.tasks[1];
@@ -134,7 +134,6 @@ void rmsnorm_quant(const core::RmsNormQuantArgs& args, const Context& ctx, int d
               "cuda::rmsnorm_quant: num_tokens: expected at most 2^31 - 1 rows in all, got ",
               num_blocks);
 
-  DeviceGuard guard(device_index);
   const Launch launch = launch_of(ctx);
   if (launch_exact_fit(args, max_norm_hidden, launch)) return;
   MLAKV_MODEL_DTYPE_SWITCH(args.model_dtype, "cuda::rmsnorm_quant: model_dtype", T, [&] {

@@ -21,9 +21,8 @@ template void launch_rotary_embedding_kernel<num::Bf16, true>(const RotaryKernel
 template void launch_rotary_embedding_kernel<num::Bf16, false>(const RotaryKernelParams&,
                                                                const Launch&);
 
-void rotary_embedding(const core::RotaryEmbeddingArgs& args, const Context& ctx, int device_index) {
+void rotary_embedding(const core::RotaryEmbeddingArgs& args, const Context& ctx) {
   if (args.num_tokens <= 0) return;
-  DeviceGuard guard(device_index);
   MLAKV_CHECK(args.rot_dim % 2 == 0 && args.rot_dim <= 2 * kWarpSize * kRotaryMaxPairsPerLane,
               "cos_sin_cache: expected an even rot_dim <= 256 on the CUDA backend, got ",
               args.rot_dim);

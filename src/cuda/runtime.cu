@@ -32,8 +32,8 @@ void* driver_function(const char* name) {
   return fn;
 }
 
-}  // namespace
-
+// Whether `device`'s primary context exists (the driver's cuDevicePrimaryCtxGetState); true
+// when it cannot be asked.
 bool primary_context_active(int device) {
   using DeviceGet = CUresult (*)(CUdevice*, int);
   using GetState = CUresult (*)(CUdevice, unsigned int*, int*);
@@ -48,6 +48,24 @@ bool primary_context_active(int device) {
     return true;
   }
   return active != 0;
+}
+
+}  // namespace
+
+DeviceGuard::DeviceGuard(int device) {
+  MLAKV_CUDA_CHECK(cudaGetDevice(&previous_));
+  if (device == previous_) return;
+  const cudaError_t err = cudaSetDevice(device);
+  if (err != cudaSuccess) {
+    MLAKV_FAIL("cannot select the tensors' device cuda:", device, ": ", cudaGetErrorName(err), ": ",
+               cudaGetErrorString(err));
+  }
+  switched_ = true;
+}
+
+DeviceGuard::~DeviceGuard() {
+  // A destructor must not throw: a failed restore is left to the caller's next CUDA call.
+  if (switched_ && primary_context_active(previous_)) cudaSetDevice(previous_);
 }
 
 int multiprocessor_count() {

@@ -79,10 +79,6 @@ const Fault& fault() {
 bool faulting(const char* op) { return fault().op == op; }
 
 #if MLAKV_WITH_CUDA
-void cuda_ok(cudaError_t e, const char* what) {
-  MLAKV_CHECK(e == cudaSuccess, "MLAKV_FAULT: ", what, ": ", cudaGetErrorString(e));
-}
-
 // Without a usable device (a CUDA build on a machine without a GPU) both queries fail: every
 // pointer is then host memory and nothing is being captured. The GPU that holds `p`, or -1.
 int device_of(const void* p) {
@@ -116,18 +112,14 @@ void modify(T* p, Change change) {
     if (!fault().cuda_only) change(*p);
     return;
   }
-#if MLAKV_WITH_CUDA
-  // On the GPU that holds p (the op ran there; `check --device N` keeps cuda:0 current).
-  int current = 0;
-  cuda_ok(cudaGetDevice(&current), "the current device");
-  cuda_ok(cudaSetDevice(device), "select the op's device");
+  // On the GPU that holds p (the op ran there; `check --device N` keeps cuda:0 current): the
+  // library's memory helpers select it and restore the current device.
+  const mlakv::Device gpu{mlakv::DeviceType::kCUDA, device};
   T value;
-  cuda_ok(cudaDeviceSynchronize(), "after the op");
-  cuda_ok(cudaMemcpy(&value, p, sizeof(T), cudaMemcpyDeviceToHost), "read back");
+  mlakv::device_synchronize(gpu);
+  mlakv::copy_device_to_host(gpu, &value, p, sizeof(T));
   change(value);
-  cuda_ok(cudaMemcpy(p, &value, sizeof(T), cudaMemcpyHostToDevice), "write");
-  cuda_ok(cudaSetDevice(current), "restore the current device");
-#endif
+  mlakv::copy_host_to_device(gpu, p, &value, sizeof(T));
 }
 
 void flip(void* data, int64_t offset_bytes) {
