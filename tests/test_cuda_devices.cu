@@ -3,7 +3,8 @@
 // launcher runs on cuda:1's tensors: its bytes must equal the CPU backend's, neither GPU may report
 // an error, and cuda:0 must still be current afterwards. The backend-parameterized suites also run
 // every case on cuda:1 (their "cuda1" instances, on the default stream); this adds a stream of
-// cuda:1 with programmatic dependent launch and checked mode.
+// cuda:1 with programmatic dependent launch and checked mode, and a stream of cuda:0, which the
+// launch must refuse with an error that names both devices.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -11,6 +12,7 @@
 #include <functional>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "fused_problem.h"
@@ -153,6 +155,48 @@ TEST_F(CudaDevices, TheFusedOpOnAStreamOfTheSecondGpu) {
   ctx.error_counts = problem.counts.device_ptr();
   expect_runs_on_gpu1("mla_rope_cache_mixed on a cuda:1 stream", [&] { problem.launch(ctx); });
   problem.expect_matches();
+  cudaStreamDestroy(stream);
+}
+
+// A stream of cuda:0 with the tensors on cuda:1: the launch fails (a kernel cannot be launched on
+// a stream of a device other than the current one, and the dispatch made cuda:1 current), the error
+// names both devices, nothing is written and cuda:0 stays current.
+TEST_F(CudaDevices, AStreamOfAnotherGpuIsNamedInTheError) {
+  cudaStream_t stream = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+
+  FusedSpec spec;
+  spec.name = "gpu0_stream";
+  spec.shape = kDeepSeekV3H2;
+  spec.T = 12;
+  spec.Td = 5;
+  spec.entry = Entry::kMixed;
+  FusedProblem problem(spec, gpu1_);
+  Context ctx;
+  ctx.stream = stream;
+  try {
+    problem.launch(ctx);
+    ADD_FAILURE() << "a stream of cuda:0 for cuda:1's tensors was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(
+        std::string(e.what()).find("the stream belongs to cuda:0, the op's tensors to cuda:1"),
+        std::string::npos)
+        << e.what();
+  }
+  int current = -1;
+  ASSERT_EQ(cudaGetDevice(&current), cudaSuccess);
+  EXPECT_EQ(current, 0);
+  ASSERT_NO_THROW(device_synchronize(gpu0_));
+  ASSERT_NO_THROW(device_synchronize(gpu1_));
+  std::vector<std::pair<const char*, const Buffer*>> buffers = {
+      {"kv_cache", problem.cache.data.get()}};
+  for (const Tensor* t : {&problem.k_pe, &problem.k_pe_out, &problem.q_pe, &problem.q_out,
+                          &problem.q, &problem.q_prefill_out}) {
+    if (t->present()) buffers.emplace_back("a tensor", t->buffer.get());
+  }
+  for (const auto& [what, buffer] : buffers) {
+    EXPECT_TRUE(buffer->download() == buffer->initial) << what << " was written";
+  }
   cudaStreamDestroy(stream);
 }
 

@@ -19,7 +19,8 @@ const char* error_counter_name(int32_t counter);
 struct Context {
   // cudaStream_t of the op (CUDA backend), a stream of the tensors' device; nullptr is that
   // device's legacy default stream. The op selects the tensors' device for its launch and restores
-  // the caller's current device. Ignored on the CPU.
+  // the caller's current device. A stream of another device fails the launch, with an error that
+  // names both devices. Ignored on the CPU.
   void* stream = nullptr;
   // Optional [kNumErrorCounters] int32 in the op's device memory (host memory for the CPU backend).
   int32_t* error_counts = nullptr;

@@ -12,6 +12,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <string>
 #include <utility>
 
 #include "common/numerics.h"
@@ -70,6 +71,11 @@ inline Launch launch_of(const Context& ctx) {
   return l;
 }
 
+// Only for an error message, after a failed launch: "; the stream belongs to cuda:S, the op's
+// tensors to cuda:D" when the stream is not one of the current device's (a launch on such a
+// stream fails; the dispatch made the tensors' device current), else "".
+std::string stream_device_note(cudaStream_t stream);
+
 // kernel<<<grid, block, smem_bytes, launch.stream>>>(args...), with the programmatic stream
 // serialization attribute when launch.pdl: the kernel may then start before the previous kernel in
 // the stream has finished, and waits for it in pdl_wait() (device_common.cuh) before reading any
@@ -108,7 +114,7 @@ void launch_kernel(const char* name, void (*kernel)(Params...), unsigned grid, u
   const cudaError_t err = cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
   if (err != cudaSuccess) {
     MLAKV_FAIL("launch of ", name, " failed: ", cudaGetErrorName(err), ": ",
-               cudaGetErrorString(err));
+               cudaGetErrorString(err), stream_device_note(launch.stream));
   }
 }
 

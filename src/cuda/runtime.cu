@@ -68,6 +68,19 @@ DeviceGuard::~DeviceGuard() {
   if (switched_ && primary_context_active(previous_)) cudaSetDevice(previous_);
 }
 
+std::string stream_device_note(cudaStream_t stream) {
+  int stream_device = -1;
+  int current = -1;
+  if (cudaStreamGetDevice(stream, &stream_device) != cudaSuccess ||
+      cudaGetDevice(&current) != cudaSuccess) {
+    (void)cudaGetLastError();  // no answer: the launch's own error stands alone
+    return {};
+  }
+  if (stream_device == current) return {};
+  return detail::concat("; the stream belongs to cuda:", stream_device,
+                        ", the op's tensors to cuda:", current);
+}
+
 int multiprocessor_count() {
   constexpr int kMaxDevices = 64;
   static std::atomic<int> sm_counts[kMaxDevices];
