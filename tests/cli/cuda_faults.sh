@@ -28,18 +28,30 @@ case_() {
   fi
 }
 
-# check --backend cuda: 10 cases (2 seeds x 5 configs) against the host reference.
-all_fail="summary: 10 comparisons, 10 mismatches: FAIL"
+# The rows of tests/cli/fault_cases.txt (ctest runs them on the CPU backend): check and bench on
+# CUDA must find the same faults.
 check="-- $faulty check --backend cuda --seeds 2"
-case_ check_cache_first mla_rope_cache:kv_cache 1 "$all_fail" "cuda 0/2 ok .*FAIL$" \
-  "MISMATCH cuda vs reference: seed .*: kv_cache: byte 0 of" $check
-case_ check_cache_last mla_rope_cache:kv_cache:last 1 "$all_fail" \
-  "MISMATCH cuda vs reference: seed .*: kv_cache: byte [1-9]" $check
-case_ check_counter mla_rope_cache:counter 1 "$all_fail" \
-  "MISMATCH cuda vs reference: seed .*: error counter .*: 1 vs reference 0" $check
-case_ check_device_td mla_rope_cache:num_decode_tokens_device 1 \
-  "summary: 10 comparisons, [1-9] mismatches: FAIL" "Td (device): byte 0 of" $check
-case_ check_throws mla_rope_cache:throw 1 "$all_fail" "threw: .*throws as asked" $check
+bench="$faulty bench --backend cuda --iters 1 --workload"
+rows=$(grep -E '^(check|bench)[|]' "$(dirname "$0")/fault_cases.txt")
+[ -n "$rows" ] || { echo "cuda_faults.sh: no rows in fault_cases.txt"; exit 2; }
+while IFS='|' read -r kind name fault f4 f5 f6; do
+  if [ "$kind" = check ]; then
+    # f4: all or some cases fail; f5: the mismatch message.
+    if [ "$f4" = all ]; then
+      case_ "check_$name" "$fault" 1 "summary: 10 comparisons, 10 mismatches: FAIL" \
+        "cuda 0/2 ok .*FAIL$" "MISMATCH cuda vs reference: seed .*: $f5" $check
+    else
+      case_ "check_$name" "$fault" 1 "summary: 10 comparisons, [1-9] mismatches: FAIL" \
+        "MISMATCH cuda vs reference: seed .*: $f5" $check
+    fi
+  else
+    # f4: the exit status; f5: the workload and its arguments (split into words on purpose);
+    # f6: the pattern.
+    case_ "bench_$name" "$fault" "$f4" "$f6" -- $bench $f5
+  fi
+done <<EOF
+$rows
+EOF
 
 # check --backend all: a fault in the CUDA run alone (@cuda) must also fail cuda == cpu, while
 # the CPU run passes.
@@ -51,31 +63,6 @@ case_ check_cuda_vs_cpu_counter mla_rope_cache@cuda:counter 1 \
   "summary: 30 comparisons, 20 mismatches: FAIL" \
   "MISMATCH cuda vs cpu: seed .*: error counter .*: 1 vs cpu 0" $both
 case_ check_all_pass none:none 0 "summary: 30 comparisons, 0 mismatches: PASS" $both
-
-# bench --backend cuda: the check before timing names the first difference and the run exits 2.
-# One case a line: name|fault|workload and tokens|message.
-bench="$faulty bench --backend cuda --iters 1 --workload"
-while IFS='|' read -r name fault args msg; do
-  # $bench and $args split into words on purpose.
-  case_ "bench_$name" "$fault" 2 "CHECK FAILED: $msg" -- $bench $args
-done <<'CASES'
-unfused_cache_first|concat_and_cache_mla:kv_cache|decode_bf16 --tokens 1|cache differs from unfused at byte 0 of
-unfused_not_run|concat_and_cache_mla:skip|decode_bf16 --tokens 1|cache differs from unfused
-unfused_q_out_last|decode_q_concat:q_out:last|decode_fp8 --tokens 2|q_out differs from unfused
-unfused_q_last_row|rotary_embedding:query:last|mixed_bf16 --tokens 3|q (prefill rows) differs from unfused
-fused_input|mla_rope_cache:q_pe:last|decode_bf16 --tokens 1|q_pe differs from its upload
-reference_cache|ref.mla_rope_cache:kv_cache|decode_bf16 --tokens 1|cache differs from reference
-norm_unfused_scales|per_token_group_quant_fp8:scales:last|rmsnorm_quant_qc --tokens 513|q_c scales differs from unfused
-norm_unfused_kv_c_out|rms_norm:output:last|mla_rmsnorm_quant --tokens 1|kv_c_out differs from unfused
-norm_fused_input|mla_rmsnorm_quant:kv_c:last|mla_rmsnorm_quant --tokens 1|kv_c differs from its upload
-norm_reference_values|ref.rmsnorm_quant:values:last|rmsnorm_quant_qc --tokens 512|q_c values differs from reference
-CASES
-# The fused op's error counter, reported after the check's byte comparisons.
-case_ bench_fused_counter mla_rope_cache:counter 2 "non-zero counters: bad_slot = 1" \
-  -- $bench decode_bf16 --tokens 1
-# --skip-check: the same fault, timed without complaint (and left alone inside the graph capture).
-case_ bench_skip_check concat_and_cache_mla:kv_cache 0 "^decode_bf16  *1 " \
-  -- $bench decode_bf16 --tokens 1 --skip-check
 
 # --device: past the last GPU the commands refuse; with two GPUs, check and bench on cuda:1 (the
 # current device stays cuda:0 in check) must still see a fault in the CUDA run alone.
