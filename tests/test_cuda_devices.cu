@@ -1,10 +1,11 @@
-// mlakv tests (CUDA builds; skipped with fewer than two visible devices): every op runs on its
-// tensors' device and leaves the caller's current device as it was. With cuda:0 current, each
-// launcher runs on cuda:1's tensors: its bytes must equal the CPU backend's, neither GPU may report
-// an error, and cuda:0 must still be current afterwards. The backend-parameterized suites also run
-// every case on cuda:1 (their "cuda1" instances, on the default stream); this adds a stream of
-// cuda:1 with programmatic dependent launch and checked mode, and a stream of cuda:0, which the
-// launch must refuse with an error that names both devices.
+// mlakv tests (CUDA builds): every op runs on its tensors' device and leaves the caller's current
+// device as it was (CudaDevices, skipped with fewer than two visible devices). With cuda:0
+// current, each launcher runs on cuda:1's tensors: its bytes must equal the CPU backend's, neither
+// GPU may report an error, and cuda:0 must still be current afterwards. The backend-parameterized
+// suites also run every case on cuda:1 (their "cuda1" instances, on the default stream); this
+// adds a stream of cuda:1 with programmatic dependent launch and checked mode, and a stream of
+// cuda:0, which the launch must refuse with an error that names both devices. CudaErrors (one
+// GPU): a refused call leaves no CUDA error behind.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -183,6 +184,7 @@ TEST_F(CudaDevices, AStreamOfAnotherGpuIsNamedInTheError) {
         std::string::npos)
         << e.what();
   }
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess) << "the failed launch left its error behind";
   int current = -1;
   ASSERT_EQ(cudaGetDevice(&current), cudaSuccess);
   EXPECT_EQ(current, 0);
@@ -198,6 +200,38 @@ TEST_F(CudaDevices, AStreamOfAnotherGpuIsNamedInTheError) {
     EXPECT_TRUE(buffer->download() == buffer->initial) << what << " was written";
   }
   cudaStreamDestroy(stream);
+}
+
+// One GPU suffices: a call the runtime refuses (selecting a device past the last one, for an
+// allocation and for an op) throws mlakv::Error and leaves no error behind for the caller's next
+// cudaGetLastError, which PyTorch reads after each of its own kernels.
+TEST(CudaErrors, ARefusedCallLeavesNoErrorBehind) {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess || count < 1) GTEST_SKIP() << "needs a CUDA device";
+  const Device past_the_last{DeviceType::kCUDA, count};
+  EXPECT_THROW(device_alloc(past_the_last, 256), Error);
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess) << "device_alloc left an error";
+
+  std::mt19937_64 rng(7);
+  const Tensor x = random_tensor(Device{DeviceType::kCUDA, 0}, DType::kBFloat16, {2, 512}, rng);
+  const Tensor w = random_tensor(Device{DeviceType::kCUDA, 0}, DType::kBFloat16, {512}, rng);
+  const Tensor y = poisoned_tensor(Device{DeviceType::kCUDA, 0}, DType::kBFloat16, {2, 512});
+  RmsNormParams p;
+  p.num_tokens = 2;
+  p.input = x.device_view();
+  p.weight = w.device_view();
+  p.output = y.device_view();
+  for (TensorView* t : {&p.input, &p.weight, &p.output}) t->device = past_the_last;
+  try {
+    rms_norm(p);
+    ADD_FAILURE() << "rms_norm ran on cuda:" << count;
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("cannot select the tensors' device cuda:" +
+                                         std::to_string(count)),
+              std::string::npos)
+        << e.what();
+  }
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess) << "rms_norm left an error";
 }
 
 }  // namespace

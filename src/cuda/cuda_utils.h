@@ -21,10 +21,12 @@
 #include "mlakv/error.h"
 #include "mlakv/tensor.h"
 
-// MLAKV_CUDA_CHECK(call): throws mlakv::Error naming the call and the CUDA error.
+// MLAKV_CUDA_CHECK(call): throws mlakv::Error naming the call and the CUDA error. The runtime's
+// last error is cleared first (cleared_cuda_error), so that the caller's next cudaGetLastError
+// (PyTorch checks one after each of its kernels) does not report a failure mlakv already threw.
 #define MLAKV_CUDA_CHECK(call)                                                                 \
   do {                                                                                         \
-    const cudaError_t mlakv_cuda_err_ = (call);                                                \
+    const cudaError_t mlakv_cuda_err_ = ::mlakv::cuda::cleared_cuda_error(call);               \
     if (mlakv_cuda_err_ != cudaSuccess) {                                                      \
       throw ::mlakv::Error(                                                                    \
           __FILE__, __LINE__,                                                                  \
@@ -57,6 +59,13 @@
 
 namespace mlakv {
 namespace cuda {
+
+// `err`, with the runtime's last error reset when it is a failure: mlakv reports a failed call by
+// throwing, and a sticky error (a faulted kernel) stays in the context whatever this does.
+inline cudaError_t cleared_cuda_error(cudaError_t err) {
+  if (err != cudaSuccess) (void)cudaGetLastError();
+  return err;
+}
 
 // How a launcher launches: the op's stream, and programmatic dependent launch (Context::pdl).
 struct Launch {
@@ -111,7 +120,8 @@ void launch_kernel(const char* name, void (*kernel)(Params...), unsigned grid, u
                                             static_cast<int>(smem_bytes)));
     }
   }
-  const cudaError_t err = cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
+  const cudaError_t err =
+      cleared_cuda_error(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
   if (err != cudaSuccess) {
     MLAKV_FAIL("launch of ", name, " failed: ", cudaGetErrorName(err), ": ",
                cudaGetErrorString(err), stream_device_note(launch.stream));

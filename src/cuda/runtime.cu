@@ -55,7 +55,7 @@ bool primary_context_active(int device) {
 DeviceGuard::DeviceGuard(int device) {
   MLAKV_CUDA_CHECK(cudaGetDevice(&previous_));
   if (device == previous_) return;
-  const cudaError_t err = cudaSetDevice(device);
+  const cudaError_t err = cleared_cuda_error(cudaSetDevice(device));
   if (err != cudaSuccess) {
     MLAKV_FAIL("cannot select the tensors' device cuda:", device, ": ", cudaGetErrorName(err), ": ",
                cudaGetErrorString(err));
