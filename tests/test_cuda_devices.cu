@@ -3,9 +3,9 @@
 // current, each launcher runs on cuda:1's tensors: its bytes must equal the CPU backend's, neither
 // GPU may report an error, and cuda:0 must still be current afterwards. The backend-parameterized
 // suites also run every case on cuda:1 (their "cuda1" instances, on the default stream); this
-// adds a stream of cuda:1 with programmatic dependent launch and checked mode, and a stream of
-// cuda:0, which the launch must refuse with an error that names both devices. CudaErrors (one
-// GPU): a refused call leaves no CUDA error behind.
+// adds a stream of cuda:1 with programmatic dependent launch and checked mode. CudaRefusals*: a
+// stream of cuda:0, which the launch must refuse with an error that names both devices (two
+// GPUs), and a refused call leaves no CUDA error behind (one GPU).
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -159,10 +159,15 @@ TEST_F(CudaDevices, TheFusedOpOnAStreamOfTheSecondGpu) {
   cudaStreamDestroy(stream);
 }
 
+// The refusals provoke CUDA API errors on purpose (compute-sanitizer reports each one), so their
+// suites' names begin with CudaRefusals and scripts/gpu_run.sh leaves them out of its sanitizer
+// runs.
+class CudaRefusalsOnTwoGpus : public CudaDevices {};
+
 // A stream of cuda:0 with the tensors on cuda:1: the launch fails (a kernel cannot be launched on
 // a stream of a device other than the current one, and the dispatch made cuda:1 current), the error
 // names both devices, nothing is written and cuda:0 stays current.
-TEST_F(CudaDevices, AStreamOfAnotherGpuIsNamedInTheError) {
+TEST_F(CudaRefusalsOnTwoGpus, AStreamOfAnotherGpuIsNamedInTheError) {
   cudaStream_t stream = nullptr;
   ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
 
@@ -205,7 +210,7 @@ TEST_F(CudaDevices, AStreamOfAnotherGpuIsNamedInTheError) {
 // One GPU suffices: a call the runtime refuses (selecting a device past the last one, for an
 // allocation and for an op) throws mlakv::Error and leaves no error behind for the caller's next
 // cudaGetLastError, which PyTorch reads after each of its own kernels.
-TEST(CudaErrors, ARefusedCallLeavesNoErrorBehind) {
+TEST(CudaRefusals, ARefusedCallLeavesNoErrorBehind) {
   int count = 0;
   if (cudaGetDeviceCount(&count) != cudaSuccess || count < 1) GTEST_SKIP() << "needs a CUDA device";
   const Device past_the_last{DeviceType::kCUDA, count};
