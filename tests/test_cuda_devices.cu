@@ -58,6 +58,17 @@ class CudaDevices : public testing::Test {
     for (const Tensor* t : outputs) EXPECT_TRUE(buffer_matches(*t->buffer, what));
   }
 
+  // A mixed batch of DeepSeek-V3's shape with two heads: 12 tokens, 5 of them decode.
+  static FusedSpec mixed_spec(const char* name) {
+    FusedSpec spec;
+    spec.name = name;
+    spec.shape = kDeepSeekV3H2;
+    spec.T = 12;
+    spec.Td = 5;
+    spec.entry = Entry::kMixed;
+    return spec;
+  }
+
   const Device gpu0_{DeviceType::kCUDA, 0};
   const Device gpu1_{DeviceType::kCUDA, 1};
   std::mt19937_64 rng_{20261205};
@@ -139,12 +150,7 @@ TEST_F(CudaDevices, TheFusedOpOnAStreamOfTheSecondGpu) {
   ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
   ASSERT_EQ(created, cudaSuccess);
 
-  FusedSpec spec;
-  spec.name = "gpu1_stream";
-  spec.shape = kDeepSeekV3H2;
-  spec.T = 12;
-  spec.Td = 5;
-  spec.entry = Entry::kMixed;
+  FusedSpec spec = mixed_spec("gpu1_stream");
   spec.q_out_dtype = DType::kFloat8E4M3;
   spec.q_scale = 0.5f;
   FusedProblem problem(spec, gpu1_);
@@ -171,13 +177,7 @@ TEST_F(CudaRefusalsOnTwoGpus, AStreamOfAnotherGpuIsNamedInTheError) {
   cudaStream_t stream = nullptr;
   ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
 
-  FusedSpec spec;
-  spec.name = "gpu0_stream";
-  spec.shape = kDeepSeekV3H2;
-  spec.T = 12;
-  spec.Td = 5;
-  spec.entry = Entry::kMixed;
-  FusedProblem problem(spec, gpu1_);
+  FusedProblem problem(mixed_spec("gpu0_stream"), gpu1_);
   Context ctx;
   ctx.stream = stream;
   try {
