@@ -23,10 +23,9 @@ namespace {
 void* driver_function(const char* name) {
   void* fn = nullptr;
   cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
-  if (cudaGetDriverEntryPointByVersion(name, &fn, 12000, cudaEnableDefault, &found) !=
-          cudaSuccess ||
+  if (cleared_cuda_error(cudaGetDriverEntryPointByVersion(name, &fn, 12000, cudaEnableDefault,
+                                                          &found)) != cudaSuccess ||
       found != cudaDriverEntryPointSuccess) {
-    (void)cudaGetLastError();
     return nullptr;
   }
   return fn;
@@ -71,9 +70,9 @@ DeviceGuard::~DeviceGuard() {
 std::string stream_device_note(cudaStream_t stream) {
   int stream_device = -1;
   int current = -1;
-  if (cudaStreamGetDevice(stream, &stream_device) != cudaSuccess ||
-      cudaGetDevice(&current) != cudaSuccess) {
-    (void)cudaGetLastError();  // no answer: the launch's own error stands alone
+  // No answer: the launch's own error stands alone.
+  if (cleared_cuda_error(cudaStreamGetDevice(stream, &stream_device)) != cudaSuccess ||
+      cleared_cuda_error(cudaGetDevice(&current)) != cudaSuccess) {
     return {};
   }
   if (stream_device == current) return {};
@@ -111,11 +110,9 @@ void read_error_counts(const int32_t* error_counts, int device_index, int32_t* h
 
 int device_count() {
   int count = 0;
-  const cudaError_t err = cudaGetDeviceCount(&count);
-  if (err == cudaErrorNoDevice || err == cudaErrorInsufficientDriver) {
-    cudaGetLastError();  // clear it: no device is an answer, not an error
-    return 0;
-  }
+  const cudaError_t err = cleared_cuda_error(cudaGetDeviceCount(&count));
+  // No device is an answer, not an error.
+  if (err == cudaErrorNoDevice || err == cudaErrorInsufficientDriver) return 0;
   MLAKV_CUDA_CHECK(err);
   return count;
 }
