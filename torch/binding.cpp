@@ -1,6 +1,7 @@
 // mlakv torch binding: conversions from at::Tensor to the core's views (see binding.h).
 #include "binding.h"
 
+#include <cctype>
 #include <string>
 
 namespace mlakv {
@@ -181,6 +182,11 @@ KVCacheView to_cache_view(const at::Tensor& kv_cache, c10::string_view cache_for
       TORCH_CHECK(R >= 0, "mlakv: kv_lora_rank: expected at most ", entry_bytes / latent_bytes,
                   " (the values of a kv_cache entry), got ", L);
     }
+    // (cache_entry_bytes would refuse these too, but name itself rather than the argument.)
+    TORCH_CHECK(format != CacheFormat::kFloat8DsMla || (L == kDsMlaLatentDim && R == kDsMlaRopeDim),
+                "mlakv: kv_cache: fp8_ds_mla needs L = ", kDsMlaLatentDim,
+                " and R = ", kDsMlaRopeDim, ", got L = ", L, ", R = ", R, " (",
+                r_of_cache ? "L from " : "from ", widths_from, ")");
     const int64_t expected = cache_entry_bytes(format, L, R);
     TORCH_CHECK(entry_bytes == expected, "mlakv: kv_cache: a ", cache_format_name(format),
                 " entry with L = ", L, ", R = ", R, " (", r_of_cache ? "L from " : "from ",
@@ -194,6 +200,41 @@ KVCacheView to_cache_view(const at::Tensor& kv_cache, c10::string_view cache_for
 }
 
 int64_t cache_entry_width(const KVCacheView& cache) { return cache.kv_lora_rank + cache.rope_dim; }
+
+namespace {
+
+bool name_char(char c) { return std::isalnum(static_cast<unsigned char>(c)) || c == '_'; }
+
+// Replaces each whole-name occurrence of `from` in `s` by `to`. A name ends where the next
+// character neither continues it nor starts a longer path ('.' then a name character).
+void replace_name(std::string& s, const std::string& from, const std::string& to) {
+  for (size_t at = s.find(from); at != std::string::npos; at = s.find(from, at)) {
+    const size_t end = at + from.size();
+    const bool starts = at == 0 || !(name_char(s[at - 1]) || s[at - 1] == '.');
+    const bool ends =
+        end == s.size() ||
+        !(name_char(s[end]) || (s[end] == '.' && end + 1 < s.size() && name_char(s[end + 1])));
+    if (starts && ends) {
+      s.replace(at, from.size(), to);
+      at += to.size();
+    } else {
+      at = end;
+    }
+  }
+}
+
+}  // namespace
+
+std::string torch_names(std::string message, Renames renames) {
+  for (const auto& r : renames) replace_name(message, r.first, r.second);
+  static constexpr std::pair<const char*, const char*> kShared[] = {
+      {"kv_cache's scale", "kv_cache_scale"},
+      {"kv_cache's rope_data", "kv_cache_rope"},
+      {"ctx.error_counts", "error_counts"},
+  };
+  for (const auto& r : kShared) replace_name(message, r.first, r.second);
+  return message;
+}
 
 int32_t* to_error_counts(const OptTensor& error_counts, const at::Device& device) {
   if (!error_counts.has_value() || !error_counts->defined()) return nullptr;

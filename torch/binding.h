@@ -10,6 +10,7 @@
 #include <c10/util/string_view.h>
 #include <torch/library.h>
 
+#include <initializer_list>
 #include <optional>
 #include <string>
 #include <utility>
@@ -63,15 +64,31 @@ int32_t* to_error_counts(const OptTensor& error_counts, const at::Device& device
 // at load; pdl.cpp): every CUDA op copies it into Context::pdl when it launches.
 bool pdl_enabled();
 
+// {core name, torch name}: an argument the core's messages name by its C++ parameter path
+// ("quant.values", "kv.output") and the torch op by its schema name ("out", "kv_c_out").
+using Renames = std::initializer_list<std::pair<const char*, const char*>>;
+
+// `message` with every core name that stands as a whole name (not part of a longer name such as
+// "q.quant.values" or "output_x") replaced by its torch name: `renames`, then the names every op
+// shares ("kv_cache's scale" is kv_cache_scale, "ctx.error_counts" is error_counts, ...).
+std::string torch_names(std::string message, Renames renames);
+
 // Runs `fn` and turns an mlakv::Error into a c10::Error (a Python RuntimeError) carrying the core's
-// message, prefixed "mlakv: " as the binding's own messages are (without the core's file:line).
+// message, prefixed "mlakv: " as the binding's own messages are (without the core's file:line),
+// with the arguments named as the torch op names them (`renames`, then torch_names' shared ones).
 template <typename Fn>
-decltype(auto) translate_errors(Fn&& fn) {
+decltype(auto) translate_errors(Renames renames, Fn&& fn) {
   try {
     return std::forward<Fn>(fn)();
   } catch (const Error& e) {
-    TORCH_CHECK(false, "mlakv: ", e.message());
+    TORCH_CHECK(false, "mlakv: ", torch_names(e.message(), renames));
   }
+}
+
+// translate_errors for an op whose core names are its torch names.
+template <typename Fn>
+decltype(auto) translate_errors(Fn&& fn) {
+  return translate_errors({}, std::forward<Fn>(fn));
 }
 
 // The dispatcher picks an op's kernel from the devices of all its tensors; the environment takes

@@ -142,7 +142,7 @@ void decode_q_concat_op(const at::Tensor& ql_nope, const at::Tensor& q_pe, at::T
 
 template <typename Env>
 void rms_norm_op(at::Tensor& out, const at::Tensor& input, const at::Tensor& weight, double eps) {
-  translate_errors([&] {
+  translate_errors({{"output", "out"}}, [&] {
     Env env("input", input, std::nullopt);
     RmsNormParams p;
     p.num_tokens = leading_size("input", input);

@@ -25,6 +25,28 @@ int64_t token_count(const std::optional<int64_t>& num_tokens, const at::Tensor& 
   return input.size(0);
 }
 
+// The core's names of Fp8GroupQuantOutput's fields, as the single-task ops' schemas name them.
+constexpr Renames kQuantNames = {{"quant.values", "out"},
+                                 {"quant.scales", "scales"},
+                                 {"quant.group_size", "group_size"},
+                                 {"quant.scale_floor", "scale_floor"}};
+
+// mla_rmsnorm_quant's core names (MlaRmsNormQuantParams' paths), as its schema names them.
+constexpr Renames kDualNames = {{"q.input", "q_c"},
+                                {"q.weight", "q_weight"},
+                                {"q.eps", "q_eps"},
+                                {"q.normed_out", "q_normed_out"},
+                                {"q.quant.values", "q_out"},
+                                {"q.quant.scales", "q_scales"},
+                                {"q.quant.group_size", "group_size"},
+                                {"q.quant.scale_floor", "scale_floor"},
+                                {"q.num_tokens", "num_tokens"},
+                                {"kv.input", "kv_c"},
+                                {"kv.weight", "kv_weight"},
+                                {"kv.eps", "kv_eps"},
+                                {"kv.output", "kv_c_out"},
+                                {"kv.num_tokens", "num_tokens"}};
+
 Fp8GroupQuantOutput quant_output(const at::Tensor& out, const at::Tensor& scales,
                                  int64_t group_size, const std::optional<double>& scale_floor,
                                  bool pow2_scale) {
@@ -42,7 +64,7 @@ void rmsnorm_quant_op(const at::Tensor& input, const at::Tensor& weight, double 
                       at::Tensor& out, at::Tensor& scales, int64_t group_size,
                       std::optional<double> scale_floor, bool pow2_scale, const OptTensor& residual,
                       const OptTensor& normed_out, std::optional<int64_t> num_tokens) {
-  translate_errors([&] {
+  translate_errors(kQuantNames, [&] {
     Env env("input", input, std::nullopt);
     RmsNormQuantParams p;
     p.num_tokens = token_count(num_tokens, input);
@@ -62,7 +84,7 @@ void mla_rmsnorm_quant_op(const at::Tensor& q_c, const at::Tensor& q_weight, dou
                           const at::Tensor& kv_weight, double kv_eps, at::Tensor& kv_c_out,
                           int64_t group_size, std::optional<double> scale_floor, bool pow2_scale,
                           const OptTensor& q_normed_out, std::optional<int64_t> num_tokens) {
-  translate_errors([&] {
+  translate_errors(kDualNames, [&] {
     Env env("q_c", q_c, std::nullopt);
     MlaRmsNormQuantParams p;
     p.q.num_tokens = token_count(num_tokens, q_c);
@@ -84,7 +106,7 @@ template <typename Env>
 void per_token_group_quant_fp8_op(const at::Tensor& input, at::Tensor& out, at::Tensor& scales,
                                   int64_t group_size, std::optional<double> scale_floor,
                                   bool pow2_scale, std::optional<int64_t> num_tokens) {
-  translate_errors([&] {
+  translate_errors(kQuantNames, [&] {
     Env env("input", input, std::nullopt);
     PerTokenGroupQuantParams p;
     p.num_tokens = token_count(num_tokens, input);

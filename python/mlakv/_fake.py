@@ -3,12 +3,14 @@
 The ops that write into their arguments return nothing, so their fake kernels only check what the
 real kernels would reject before they look at shapes: every tensor on one device. (A meta tensor
 among real ones picks these kernels too, and would otherwise pass silently with nothing written.)
-The functional gather ops return a new ``[rows, L + R]`` tensor.
+The functional gather ops return a new ``[rows, L + R]`` tensor, after the checks of the real
+ops that need no data (index tensors' dims and dtypes, the cache's layout, ``out_dtype``), so that
+a traced graph fails where eager would.
 """
 
 import torch
 
-from mlakv.cache import cache_latent_width, op_errors
+from mlakv.cache import gather_row_width, is_per_tensor_fp8
 
 
 def _one_device(op, args):
@@ -30,28 +32,49 @@ for _name in ("mla_rope_cache", "rotary_embedding", "concat_and_cache_mla", "dec
     torch.library.register_fake(f"mlakv::{_name}")(_writes_only(_name))
 
 
-def _gather_width(kv_cache, cache_format, kv_lora_rank, kv_cache_rope, out_dtype):
-    # What the real gather ops reject before they look at the data, with their exception type.
-    if out_dtype not in (torch.float32, torch.bfloat16):
-        raise RuntimeError(f"mlakv: out_dtype: expected float32 or bfloat16, got {out_dtype}")
-    with op_errors():
-        return cache_latent_width(kv_cache, cache_format, kv_lora_rank, kv_cache_rope)
+def _index_tensor(name, t, dims, dtypes):
+    # What the real gather ops check of an index tensor before they read it (dims, dtype).
+    if t.dim() != dims or t.dtype not in dtypes:
+        allowed = " or ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise RuntimeError(f"mlakv: {name}: expected a {dims}-D {allowed} tensor, got "
+                           f"{t.dtype} of shape {list(t.shape)}")
+
+
+def _gather_checks(op, kv_cache, cache_format, kv_cache_scale, kv_cache_rope, index_tensors,
+                   kv_lora_rank, out_dtype):
+    # The real op's rejections that need no data: devices, index tensors, the cache's layout
+    # (with out_dtype, gather_row_width) and a scale on a format that takes none.
+    _one_device(op, (kv_cache, kv_cache_scale, kv_cache_rope) + tuple(t for t, _, _ in
+                                                                     index_tensors))
+    for t, name, (dims, dtypes) in index_tensors:
+        _index_tensor(name, t, dims, dtypes)
+    width = gather_row_width(kv_cache, cache_format, kv_lora_rank, kv_cache_rope, out_dtype)
+    if kv_cache_scale is not None and not is_per_tensor_fp8(cache_format):
+        raise RuntimeError(f"mlakv: kv_cache: a scale is taken by the per-tensor fp8 formats "
+                           f"only, got one for a {cache_format} cache")
+    return width
+
+
+_SLOTS = (1, (torch.int32, torch.int64))
 
 
 @torch.library.register_fake("mlakv::gather_cache_slots")
 def _gather_cache_slots_fake(kv_cache, cache_format, kv_cache_scale, kv_cache_rope, slots,
                              kv_lora_rank, out_dtype):
-    _one_device("gather_cache_slots", (kv_cache, kv_cache_scale, kv_cache_rope, slots))
-    width = _gather_width(kv_cache, cache_format, kv_lora_rank, kv_cache_rope, out_dtype)
+    width = _gather_checks("gather_cache_slots", kv_cache, cache_format, kv_cache_scale,
+                           kv_cache_rope, ((slots, "slots", _SLOTS),), kv_lora_rank, out_dtype)
     return kv_cache.new_empty((slots.shape[0], width), dtype=out_dtype)
 
 
 @torch.library.register_fake("mlakv::gather_cache_sequences")
 def _gather_cache_sequences_fake(kv_cache, cache_format, kv_cache_scale, kv_cache_rope,
                                  block_table, cu_seq_lens, num_out_rows, kv_lora_rank, out_dtype):
-    _one_device("gather_cache_sequences",
-                (kv_cache, kv_cache_scale, kv_cache_rope, block_table, cu_seq_lens))
     torch._check(num_out_rows >= 0,
                  lambda: f"mlakv: num_out_rows: expected >= 0, got {num_out_rows}")
-    width = _gather_width(kv_cache, cache_format, kv_lora_rank, kv_cache_rope, out_dtype)
+    width = _gather_checks("gather_cache_sequences", kv_cache, cache_format, kv_cache_scale,
+                           kv_cache_rope, ((block_table, "block_table", (2, (torch.int32,))),
+                                           (cu_seq_lens, "cu_seq_lens", (1, (torch.int32,)))),
+                           kv_lora_rank, out_dtype)
+    torch._check(cu_seq_lens.shape[0] >= 1,
+                 lambda: "mlakv: cu_seq_lens: expected B + 1 >= 1 elements, got none")
     return kv_cache.new_empty((num_out_rows, width), dtype=out_dtype)

@@ -113,19 +113,48 @@ def allocate_cache(num_blocks: int, block_size: int, kv_lora_rank: int, rope_dim
 
 def cache_latent_width(kv_cache: torch.Tensor, cache_format: str, kv_lora_rank: int,
                        kv_cache_rope: Optional[torch.Tensor] = None) -> int:
-    """L + R of a cache tensor: the width of one gathered row."""
+    """L + R of a cache tensor: the width of one gathered row. Raises ValueError for a cache the
+    ops reject by its layout alone: not 3 dims, an element type that is neither uint8 nor the
+    format's own, an fp8_ds_mla cache with another L than 512, an entry narrower than L."""
+    fmt = canonical_format(cache_format, kv_cache)
     for name, t in (("kv_cache", kv_cache), ("kv_cache_rope", kv_cache_rope)):
-        if t is not None and t.dim() != 3:
+        if t is None:
+            continue
+        if t.dim() != 3:
             raise ValueError(f"{name}: expected [num_blocks, block_size, entry] (3 dims), got "
                              f"shape {list(t.shape)}")
-    fmt = canonical_format(cache_format, kv_cache)
+        if t.dtype != torch.uint8 and (fmt == "fp8_ds_mla" or t.dtype != _LATENT_DTYPE[fmt]):
+            own = "" if fmt == "fp8_ds_mla" else f" or {_LATENT_DTYPE[fmt]}"
+            raise ValueError(f"{name}: a {fmt} cache is a uint8{own} tensor, got {t.dtype}")
     if fmt == "fp8_ds_mla":
+        if kv_lora_rank != DS_MLA_LATENT_DIM:
+            raise ValueError(f"kv_cache: fp8_ds_mla needs L = {DS_MLA_LATENT_DIM} and R = "
+                             f"{DS_MLA_ROPE_DIM}, got L = {kv_lora_rank}, R = {DS_MLA_ROPE_DIM} "
+                             f"(L from kv_lora_rank)")
         return DS_MLA_LATENT_DIM + DS_MLA_ROPE_DIM
     elem = _LATENT_DTYPE[fmt].itemsize
-    width = kv_cache.shape[2] * kv_cache.element_size() // elem
+    latent = kv_cache.shape[2] * kv_cache.element_size() // elem
     if kv_cache_rope is not None:
-        width = width + kv_cache_rope.shape[2] * kv_cache_rope.element_size() // elem
-    return width
+        if kv_lora_rank >= 0 and kv_lora_rank != latent:
+            raise ValueError(f"kv_cache: expected a latent part of {kv_lora_rank} values (L, from "
+                             f"kv_lora_rank), got {latent}")
+        return latent + kv_cache_rope.shape[2] * kv_cache_rope.element_size() // elem
+    if kv_lora_rank < 0:
+        raise ValueError(f"kv_lora_rank: expected >= 0, got {kv_lora_rank}")
+    if kv_lora_rank > latent:
+        raise ValueError(f"kv_lora_rank: expected at most {latent} (the values of a kv_cache "
+                         f"entry), got {kv_lora_rank}")
+    return latent
+
+
+def gather_row_width(kv_cache: torch.Tensor, cache_format: str, kv_lora_rank: int,
+                     kv_cache_rope: Optional[torch.Tensor], out_dtype: torch.dtype) -> int:
+    """The width L + R of the rows a gather op allocates, after the checks it makes before it
+    allocates (``out_dtype``, the cache's layout); a failed one raises the op's RuntimeError."""
+    if out_dtype not in (torch.float32, torch.bfloat16):
+        raise RuntimeError(f"mlakv: out_dtype: expected float32 or bfloat16, got {out_dtype}")
+    with op_errors():
+        return cache_latent_width(kv_cache, cache_format, kv_lora_rank, kv_cache_rope)
 
 
 @contextlib.contextmanager

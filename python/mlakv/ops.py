@@ -27,7 +27,7 @@ from typing import Optional
 
 import torch
 
-from mlakv.cache import cache_latent_width, canonical_format, op_errors
+from mlakv.cache import canonical_format, gather_row_width, op_errors
 
 _ops = torch.ops.mlakv
 
@@ -37,6 +37,14 @@ def _count(n):
     does not compile a new graph): a SymInt passes as it is (``int()`` of one would specialize it
     wherever it is traced symbolically); anything else becomes a Python int."""
     return n if isinstance(n, torch.SymInt) else int(n)
+
+
+def _size(t, name, dim):
+    """``t.shape[dim]`` for a wrapper's own arithmetic, with the op's error (RuntimeError) for a
+    0-dim tensor, whose shape has no such entry (an IndexError otherwise)."""
+    if t.dim() == 0:
+        raise RuntimeError(f"mlakv: {name}: expected at least 1 dim, got a 0-dim tensor")
+    return t.shape[dim]
 
 
 def mla_rope_cache(positions: torch.Tensor, slot_mapping: torch.Tensor,
@@ -89,7 +97,7 @@ def mla_rope_cache(positions: torch.Tensor, slot_mapping: torch.Tensor,
 def mla_rope_cache_decode(positions, slot_mapping, cos_sin_cache, kv_c, k_pe, kv_cache,
                           **kwargs) -> None:
     """``mla_rope_cache`` with every token a decode token (Td = T); same arguments."""
-    kwargs["num_decode_tokens"] = slot_mapping.shape[0]
+    kwargs["num_decode_tokens"] = _size(slot_mapping, "slot_mapping", 0)
     kwargs.pop("num_decode_tokens_device", None)
     mla_rope_cache(positions, slot_mapping, cos_sin_cache, kv_c, k_pe, kv_cache, **kwargs)
 
@@ -176,13 +184,6 @@ def _gather_format(cache_format, kv_cache):
         return canonical_format(cache_format, kv_cache)
 
 
-def _out_width(kv_cache, fmt, kv_lora_rank, kv_cache_rope):
-    # The width of an output the wrapper allocates; a cache the op would reject gets the op's
-    # exception type, not an IndexError from the shape arithmetic.
-    with op_errors():
-        return cache_latent_width(kv_cache, fmt, kv_lora_rank, kv_cache_rope)
-
-
 def gather_cache_slots(kv_cache: torch.Tensor, slots: torch.Tensor, *, kv_lora_rank: int,
                        cache_format: str = "auto",
                        kv_cache_scale: Optional[torch.Tensor] = None,
@@ -199,8 +200,9 @@ def gather_cache_slots(kv_cache: torch.Tensor, slots: torch.Tensor, *, kv_lora_r
         return _ops.gather_cache_slots(kv_cache, fmt, kv_cache_scale, kv_cache_rope, slots,
                                        int(kv_lora_rank), out_dtype)
     if out is None:
-        width = _out_width(kv_cache, fmt, kv_lora_rank, kv_cache_rope)
-        out = torch.empty(slots.shape[0], width, dtype=out_dtype, device=kv_cache.device)
+        width = gather_row_width(kv_cache, fmt, kv_lora_rank, kv_cache_rope, out_dtype)
+        out = torch.empty(_size(slots, "slots", 0), width, dtype=out_dtype,
+                          device=kv_cache.device)
     _ops.gather_cache_slots_out(out, kv_cache, fmt, kv_cache_scale, kv_cache_rope, slots,
                                 int(kv_lora_rank), error_counts)
     return out
@@ -233,7 +235,7 @@ def gather_cache_sequences(kv_cache: torch.Tensor, block_table: torch.Tensor,
         rows = _count(num_out_rows)
         if not isinstance(rows, torch.SymInt) and rows < 0:
             raise RuntimeError(f"mlakv: num_out_rows: expected >= 0, got {rows}")
-        width = _out_width(kv_cache, fmt, kv_lora_rank, kv_cache_rope)
+        width = gather_row_width(kv_cache, fmt, kv_lora_rank, kv_cache_rope, out_dtype)
         out = torch.zeros(rows, width, dtype=out_dtype, device=kv_cache.device)
     _ops.gather_cache_sequences_out(out, kv_cache, fmt, kv_cache_scale, kv_cache_rope,
                                     block_table, cu_seq_lens, int(kv_lora_rank), error_counts)
@@ -241,10 +243,11 @@ def gather_cache_sequences(kv_cache: torch.Tensor, block_table: torch.Tensor,
 
 
 # ---- RMSNorm + fp8 per-token-group quantization (docs/rmsnorm_quant.md) ------------------------
-def _quant_outputs(x, T, group_size, out, scales, column_major_scales):
-    """``out [T, N]`` e4m3 and ``scales [T, N / G]`` fp32 for ``x [>=T, N]``: the given tensors,
-    else new ones (scales row-major, or column-major: stride ``[1, T]``, DeepGEMM's layout)."""
-    N = x.shape[-1]
+def _quant_outputs(x, name, T, group_size, out, scales, column_major_scales):
+    """``out [T, N]`` e4m3 and ``scales [T, N / G]`` fp32 for ``x [>=T, N]`` (the argument
+    ``name``): the given tensors, else new ones (scales row-major, or column-major: stride
+    ``[1, T]``, DeepGEMM's layout)."""
+    N = _size(x, name, -1)
     if out is None:
         out = torch.empty(T, N, dtype=torch.float8_e4m3fn, device=x.device)
     if scales is None:
@@ -256,9 +259,10 @@ def _quant_outputs(x, T, group_size, out, scales, column_major_scales):
     return out, scales
 
 
-def _token_count(num_tokens, x):
-    """T of a row tensor ``x``: ``num_tokens`` when given, else its rows (as the ops take it)."""
-    return _count(num_tokens) if num_tokens is not None else x.shape[0]
+def _token_count(num_tokens, x, name):
+    """T of a row tensor ``x`` (the argument ``name``): ``num_tokens`` when given, else its rows
+    (as the ops take it)."""
+    return _count(num_tokens) if num_tokens is not None else _size(x, name, 0)
 
 
 def _opt_count(num_tokens):
@@ -281,8 +285,8 @@ def rmsnorm_quant(input: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, 
     with ``pow2_scale``. Returns ``(out, scales)``: ``out [T, N]`` float8_e4m3fn and ``scales
     [T, N / group_size]`` float32, allocated when not given (``column_major_scales``: stride
     ``[1, T]``, the layout block-scaled GEMMs read)."""
-    T = _token_count(num_tokens, input)
-    out, scales = _quant_outputs(input, T, group_size, out, scales, column_major_scales)
+    T = _token_count(num_tokens, input, "input")
+    out, scales = _quant_outputs(input, "input", T, group_size, out, scales, column_major_scales)
     _ops.rmsnorm_quant(input, weight, float(eps), out, scales, int(group_size), scale_floor,
                        pow2_scale, residual, normed_out, _opt_count(num_tokens))
     return out, scales
@@ -300,11 +304,12 @@ def mla_rmsnorm_quant(q_c: torch.Tensor, q_weight: torch.Tensor, kv_c: torch.Ten
     fp32 group scales (as ``rmsnorm_quant``), and ``kv_c [>=T, Nkv]`` -> RMSNorm -> ``kv_c_out``
     in the model dtype (may be ``kv_c``: in place). Returns ``(q_out, q_scales, kv_c_out)``,
     allocated when not given."""
-    T = _token_count(num_tokens, q_c)
-    q_out, q_scales = _quant_outputs(q_c, T, group_size, q_out, q_scales, column_major_scales)
+    T = _token_count(num_tokens, q_c, "q_c")
+    q_out, q_scales = _quant_outputs(q_c, "q_c", T, group_size, q_out, q_scales,
+                                     column_major_scales)
     if kv_c_out is None:
-        kv_c_out = torch.empty(_token_count(num_tokens, kv_c), kv_c.shape[-1], dtype=kv_c.dtype,
-                               device=kv_c.device)
+        kv_c_out = torch.empty(_token_count(num_tokens, kv_c, "kv_c"), _size(kv_c, "kv_c", -1),
+                               dtype=kv_c.dtype, device=kv_c.device)
     _ops.mla_rmsnorm_quant(q_c, q_weight, float(q_eps), q_out, q_scales, kv_c, kv_weight,
                            float(kv_eps), kv_c_out, int(group_size), scale_floor, pow2_scale,
                            q_normed_out, _opt_count(num_tokens))
@@ -319,8 +324,8 @@ def per_token_group_quant_fp8(input: torch.Tensor, group_size: int = 128, *,
     """vLLM's ``per_token_group_quant_fp8`` (the unfused second step): ``input [>=T, N]`` (model
     dtype) -> e4m3 values + fp32 scales per (token, group), the scale rule of ``rmsnorm_quant``.
     Returns ``(out, scales)``, allocated when not given."""
-    T = _token_count(num_tokens, input)
-    out, scales = _quant_outputs(input, T, group_size, out, scales, column_major_scales)
+    T = _token_count(num_tokens, input, "input")
+    out, scales = _quant_outputs(input, "input", T, group_size, out, scales, column_major_scales)
     _ops.per_token_group_quant_fp8(input, out, scales, int(group_size), scale_floor, pow2_scale,
                                    _opt_count(num_tokens))
     return out, scales

@@ -409,6 +409,21 @@ def test_wrapper_and_zero_dim_errors_are_runtime_errors(device):
     with pytest.raises(RuntimeError, match="slots"):
         torch.ops.mlakv.gather_cache_slots(cache, "bf16", None, None, slots[0], cfg.L,
                                            torch.float32)
+    # The wrappers that read a size of a tensor before the op runs (to allocate an output or to
+    # take T from it) give the same error for a 0-dim one, naming it.
+    counts = mlakv.new_error_counts(device)
+    for name, call in (
+            ("slot_mapping", lambda: mlakv.mla_rope_cache_decode(slots, slots[0], table, w, w,
+                                                                 cache)),
+            ("slots", lambda: mlakv.gather_cache_slots(cache, slots[0], kv_lora_rank=cfg.L,
+                                                       cache_format="bf16",
+                                                       error_counts=counts)),
+            ("input", lambda: mlakv.rmsnorm_quant(scalar, w)),
+            ("input", lambda: mlakv.per_token_group_quant_fp8(scalar)),
+            ("q_c", lambda: mlakv.mla_rmsnorm_quant(scalar, w, scalar, w)),
+            ("kv_c", lambda: mlakv.mla_rmsnorm_quant(w.view(1, -1), w, scalar, w))):
+        with pytest.raises(RuntimeError, match=f"mlakv: {name}: expected at least 1 dim"):
+            call()
 
 
 def test_argument_errors_name_the_argument(device):
@@ -429,10 +444,59 @@ def test_argument_errors_name_the_argument(device):
         mlakv.concat_and_cache_mla(x.kv_c, x.k_pe, latent, x.slot_mapping, cache_format="bf16",
                                    kv_cache_rope=rope)
     assert not latent.any() and not rope.any()
-    # A kv_lora_rank wider than the entry is named.
+    # A kv_lora_rank wider than the entry is named, whether the op or the wrapper (which
+    # allocates the output when error_counts is given) finds it; so is a bad out_dtype.
     cache = mlakv.allocate_cache(4, 4, cfg.L, cfg.R, "bf16", device=device)
-    with pytest.raises(RuntimeError, match="kv_lora_rank: expected at most 576"):
-        mlakv.gather_cache_slots(cache, x.slot_mapping, kv_lora_rank=608, cache_format="bf16")
+    for counts in (None, mlakv.new_error_counts(device)):
+        with pytest.raises(RuntimeError, match="kv_lora_rank: expected at most 576"):
+            mlakv.gather_cache_slots(cache, x.slot_mapping, kv_lora_rank=608,
+                                     cache_format="bf16", error_counts=counts)
+        with pytest.raises(RuntimeError, match="mlakv: out_dtype: expected float32 or bfloat16"):
+            mlakv.gather_cache_slots(cache, x.slot_mapping, kv_lora_rank=cfg.L,
+                                     cache_format="bf16", out_dtype=torch.float16,
+                                     error_counts=counts)
+        assert counts is None or not counts.any()
+
+
+def test_errors_name_the_torch_arguments(device):
+    """The core names some arguments by their C++ parameter paths (RmsNormParams::output,
+    Fp8GroupQuantOutput::values, MlaRmsNormQuantParams::kv.output, ...); through the binding the
+    messages name them as the torch ops do, and nothing is written."""
+    x = torch.randn(4, 512, device=device).bfloat16()
+    w = torch.ones(512, dtype=torch.bfloat16, device=device)
+    with pytest.raises(RuntimeError, match=r"^mlakv: rms_norm: out: expected") as e:
+        mlakv.rms_norm(x, w, out=torch.zeros(4, 512, device=device))
+    assert "output" not in str(e.value).splitlines()[0]
+    out = torch.zeros(4, 512, dtype=torch.float8_e4m3fn, device=device)
+    scales = torch.full((4, 4), -7.0, device=device)
+    cases = [
+        ("rmsnorm_quant: out: ", lambda: mlakv.rmsnorm_quant(x, w, out=out.view(torch.uint8),
+                                                              scales=scales)),
+        ("rmsnorm_quant: scales: ", lambda: mlakv.rmsnorm_quant(x, w, out=out,
+                                                                 scales=scales[:, :2])),
+        ("rmsnorm_quant: group_size: ", lambda: mlakv.rmsnorm_quant(x, w, out=out, scales=scales,
+                                                                     group_size=96)),
+        ("per_token_group_quant_fp8: scale_floor: ",
+         lambda: mlakv.per_token_group_quant_fp8(x, out=out, scales=scales, scale_floor=0.0)),
+        ("mla_rmsnorm_quant: q_out: ",
+         lambda: mlakv.mla_rmsnorm_quant(x, w, x, w, q_out=out.view(torch.uint8),
+                                         q_scales=scales)),
+        ("mla_rmsnorm_quant: q_scales: ",
+         lambda: mlakv.mla_rmsnorm_quant(x, w, x, w, q_out=out, q_scales=scales[:, :2])),
+        ("mla_rmsnorm_quant: kv_weight: ",
+         lambda: mlakv.mla_rmsnorm_quant(x, w, x, w.float(), q_out=out, q_scales=scales)),
+        ("mla_rmsnorm_quant: kv_c_out: ",
+         lambda: mlakv.mla_rmsnorm_quant(x, w, x, w, q_out=out, q_scales=scales,
+                                         kv_c_out=torch.zeros(4, 512, device=device))),
+        ("mla_rmsnorm_quant: kv_c: expected dtype bfloat16 \\(the dtype of q_c\\)",
+         lambda: mlakv.mla_rmsnorm_quant(x, w, x.half(), w.half(), q_out=out, q_scales=scales)),
+    ]
+    for pattern, call in cases:
+        with pytest.raises(RuntimeError, match=pattern) as e:
+            call()
+        first = str(e.value).splitlines()[0]
+        assert "quant." not in first and "q." not in first and "kv." not in first, first
+    assert not out.view(torch.uint8).any() and bool((scales == -7.0).all())
 
 
 def test_binding_errors_say_where_they_come_from(device):

@@ -264,6 +264,54 @@ def test_fake_kernels_reject_what_the_gathers_reject():
                                                        cu, -1, cfg.L, torch.float32)
 
 
+def test_fake_kernels_reject_the_layouts_the_gathers_reject():
+    """Index tensors of the wrong rank or dtype, a cache that does not fit its format or L, and a
+    scale on a format that takes none: the functional gathers' fake kernels raise a RuntimeError
+    naming the same argument as the real op (eager), each case checked against eager first."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    cfg = TP8
+    ds = mlakv.allocate_cache(4, 4, 512, 64, "fp8_ds_mla")
+    bf16 = mlakv.allocate_cache(4, 4, cfg.L, cfg.R, "bf16", typed=True)
+    slots = torch.arange(6)
+    table = torch.zeros(2, 2, dtype=torch.int32)
+    cu = torch.tensor([0, 3, 7], dtype=torch.int32)
+    scale = torch.ones(1)
+    slot_cases = [  # (cache, format, scale, slots, L, what the message names)
+        (ds, "fp8_ds_mla", None, slots.view(2, 3), 512, "slots"),
+        (ds, "fp8_ds_mla", None, slots.float(), 512, "slots"),
+        (ds, "fp8_ds_mla", None, slots, 448,
+         r"^mlakv: kv_cache: fp8_ds_mla needs L = 512 and R = 64, got L = 448, R = 64 \(L from "
+         r"kv_lora_rank\)"),
+        (bf16, "fp16", None, slots, cfg.L, "kv_cache"),
+        (bf16, "bf16", None, slots, cfg.L + cfg.R + 1, "kv_lora_rank"),
+        (bf16, "bf16", scale, slots, cfg.L, "scale"),
+    ]
+    seq_cases = [  # (block_table, cu_seq_lens, what the message names)
+        (table[0], cu, "block_table"),
+        (table.long(), cu, "block_table"),
+        (table, cu.view(1, 3), "cu_seq_lens"),
+        (table, cu[:0], "cu_seq_lens"),
+    ]
+    for mode in (None, FakeTensorMode(allow_non_fake_inputs=True)):
+        with mode if mode is not None else contextlib.nullcontext():
+            for cache, fmt, sc, sl, L, name in slot_cases:
+                with pytest.raises(RuntimeError, match=name):
+                    torch.ops.mlakv.gather_cache_slots(cache, fmt, sc, None, sl, L,
+                                                       torch.float32)
+            for bt, cs, name in seq_cases:
+                with pytest.raises(RuntimeError, match=name):
+                    torch.ops.mlakv.gather_cache_sequences(ds, "fp8_ds_mla", None, None, bt, cs,
+                                                           7, 512, torch.float32)
+        # The fakes accept what the real ops accept: the shapes of a valid call.
+        with mode if mode is not None else contextlib.nullcontext():
+            rows = torch.ops.mlakv.gather_cache_slots(bf16, "bf16", None, None, slots.int(),
+                                                      cfg.L, torch.bfloat16)
+            seqs = torch.ops.mlakv.gather_cache_sequences(ds, "fp8_ds_mla", None, None, table,
+                                                          cu, 7, 512, torch.float32)
+        assert (tuple(rows.shape), rows.dtype) == ((6, cfg.L + cfg.R), torch.bfloat16)
+        assert (tuple(seqs.shape), seqs.dtype) == ((7, 576), torch.float32)
+
+
 @requires_cuda
 def test_cuda_graph_capture_and_replay():
     """The fused op with a device Td in a CUDA graph: replays with new inputs (new positions,
