@@ -240,6 +240,12 @@ std::vector<FusedSpec> q_side_specs() {
     s.decode_q = false;
     s.Td = 0;
     add(s, "k_side_only");
+    // Both Q sides' buffers given with no rows for one of them (docs/decisions.md): accepted,
+    // and that side's buffer is left as it was (the reference writes nothing there).
+    s.decode_q = s.prefill_q = true;
+    add(s, "q_out_without_decode_rows");
+    s.Td = s.T;
+    add(s, "q_without_prefill_rows");
   }
   {
     FusedSpec s = b;

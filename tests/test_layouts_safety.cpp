@@ -176,6 +176,10 @@ std::vector<FusedSpec> safety_specs() {
     s.cache.block_size = 1;
     s.cache.unused_stride_bytes = 3;
     out.push_back(s);
+    // Negative, as a tensor's size-1 dim may have (docs/decisions.md, "Strides and sizes").
+    s.name = "unused_token_stride_negative_split_bf16";
+    s.cache.unused_stride_bytes = -3;
+    out.push_back(s);
   }
   {
     FusedSpec s = named("all_padding");

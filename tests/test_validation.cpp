@@ -388,7 +388,8 @@ TEST_F(MlaValidation, CacheUnusedStridesTakeAnyValue) {
   };
   const auto packed = run(p_.kv_cache);
   ASSERT_NE(packed, std::vector<uint8_t>(bytes, kSentinel));
-  for (int64_t junk : {int64_t{0}, int64_t{3}, int64_t{1} << 40}) {
+  for (int64_t junk :
+       {int64_t{0}, int64_t{3}, int64_t{1} << 40, int64_t{-1}, -(int64_t{1} << 40)}) {
     SCOPED_TRACE(junk);
     // One block of all kBlocks * kBlockSize slots: the block stride is unused.
     mlakv::KVCacheView one_block =
@@ -401,10 +402,10 @@ TEST_F(MlaValidation, CacheUnusedStridesTakeAnyValue) {
     one_entry.stride_token_bytes = junk;
     EXPECT_EQ(run(one_entry), packed);
   }
-  // Still bounded like every stride.
+  // Still bounded like every stride: |stride| < 2^56.
   mlakv::KVCacheView one_block =
       mlakv::make_cache_view(cache_, CacheFormat::kBFloat16, 1, kBlocks * kBlockSize, L, R);
-  one_block.stride_block_bytes = -1;
+  one_block.stride_block_bytes = -(int64_t{1} << 56);
   mlakv::MlaRopeCacheParams p = p_;
   p.kv_cache = one_block;
   std::memset(cache, kSentinel, bytes);
@@ -946,12 +947,17 @@ TEST_F(MlaValidation, DsMlaNeedsFourByteAlignment) {
   reject(p, "kv_cache: expected stride_token_bytes and stride_block_bytes multiples of 4");
 }
 
-// Unused strides are still bounded: a token stride of -1 (blocks of one entry), a block stride of
-// 2^56 (one block), as the unused block stride of -1 is in CacheUnusedStridesTakeAnyValue.
+// Unused strides are still bounded, as every tensor's: a token stride of -2^56 (blocks of one
+// entry), a block stride of 2^56 (one block), as the unused block stride of -2^56 is in
+// CacheUnusedStridesTakeAnyValue. A used stride of -1 is rejected.
 TEST_F(MlaValidation, CacheUnusedStridesStillBounded) {
   p_.kv_cache =
       mlakv::make_cache_view(cache_, CacheFormat::kBFloat16, kBlocks * kBlockSize, 1, L, R);
   mlakv::MlaRopeCacheParams p = p_;
+  p.kv_cache.stride_token_bytes = -(int64_t{1} << 56);
+  reject(p, "kv_cache: expected stride_token_bytes and stride_block_bytes in [0, 2^56)");
+  p = p_;
+  p.kv_cache = mlakv::make_cache_view(cache_, CacheFormat::kBFloat16, kBlocks, kBlockSize, L, R);
   p.kv_cache.stride_token_bytes = -1;
   reject(p, "kv_cache: expected stride_token_bytes and stride_block_bytes in [0, 2^56)");
   // And above: an unused block stride of 2^56 (one block).

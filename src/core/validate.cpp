@@ -223,11 +223,14 @@ class Validator {
                const void* data) {
     const bool tokens = block_size > 1;  // token_bytes is used
     const bool blocks = num_blocks > 1;  // block_bytes is used
-    MLAKV_ARG_CHECK(*this,
-                    token_bytes >= 0 && token_bytes < kMaxExtentBytes && block_bytes >= 0 &&
-                        block_bytes < kMaxExtentBytes,
-                    name, "expected stride_", part, "token_bytes and stride_", part,
-                    "block_bytes in [0, 2^", kMaxExtentLog2, "), got ", token_bytes, " and ",
+    // A used stride is in [0, 2^56); an unused one, like a tensor's, anywhere in (-2^56, 2^56).
+    const auto in_range = [](int64_t stride, bool used) {
+      return stride < kMaxExtentBytes && (used ? stride >= 0 : stride > -kMaxExtentBytes);
+    };
+    MLAKV_ARG_CHECK(*this, in_range(token_bytes, tokens) && in_range(block_bytes, blocks), name,
+                    "expected stride_", part, "token_bytes and stride_", part,
+                    "block_bytes in [0, 2^", kMaxExtentLog2, ") (one of a size-1 dim: in (-2^",
+                    kMaxExtentLog2, ", 2^", kMaxExtentLog2, ")), got ", token_bytes, " and ",
                     block_bytes);
     if (tokens) {
       MLAKV_ARG_CHECK(*this, token_bytes >= entry_bytes, name, "expected stride_", part,
