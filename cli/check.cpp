@@ -3,7 +3,7 @@
 // size, padding rows and slots, out-of-range slots and positions, RMSNorm, optional outputs,
 // aliasing, device Td) is run by the host reference and by every backend; every byte of every
 // buffer (inputs included: they must stay untouched) must match the reference, and CUDA must match
-// the CPU. Values derived from RMSNorm may differ by one code (DESIGN.md: sum order).
+// the CPU, RMSNorm-derived values included (docs/decisions.md: one fixed sum order).
 #include <algorithm>
 #include <array>
 #include <cstdio>

@@ -1,5 +1,5 @@
-# Shared by scripts/test.sh and scripts/bench.sh (sourced, not run): package installation and the
-# CMake configure + build steps.
+# Shared by scripts/test.sh, scripts/bench.sh and .ci/run (sourced, not run): package installation
+# and the CMake configure + build steps.
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 JOBS=${JOBS:-$(nproc)}

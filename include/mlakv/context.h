@@ -11,7 +11,8 @@ enum ErrorCounter : int32_t {
   kBadSlot = 0,         // slot >= num_blocks * block_size: cache not written (slot < 0 is padding)
   kBadPosition = 1,     // position outside [0, max_pos): clamped into the table
   kBadDecodeCount = 2,  // device Td outside [0, T]: clamped
-  kBadBlockIndex = 3,   // gather: block table entry outside [0, num_blocks): zeros written
+  kBadBlockIndex = 3,   // gather: block id outside [0, num_blocks), or a token past its block-table
+                        // row: zeros written
   kNumErrorCounters = 4,
 };
 const char* error_counter_name(int32_t counter);

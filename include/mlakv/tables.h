@@ -16,7 +16,7 @@ struct RopeTableConfig {
   int64_t max_position = 4096;
 };
 
-// DeepSeek YaRN (vLLM's DeepseekScalingRotaryEmbedding); max positions = original * factor.
+// DeepSeek YaRN (vLLM's DeepseekScalingRotaryEmbedding); max positions = ceil(original * factor).
 struct YarnRopeConfig {
   double base = 10000.0;
   int64_t rotary_dim = 64;

@@ -223,7 +223,8 @@ def gather_cache_sequences(kv_cache: torch.Tensor, block_table: torch.Tensor,
     ``block_table[b, i // block_size]`` (int32 ``[>=B, max_blocks]``) and goes to row
     ``cu_seq_lens[b] + i`` of a new ``[num_out_rows, L + R]`` tensor of ``out_dtype``, returned.
     Rows at or past ``num_out_rows`` are not written; rows no sequence covers are zeros; block ids
-    outside ``[0, num_blocks)`` give zeros and are counted. ``num_out_rows`` comes from the host
+    outside ``[0, num_blocks)``, and tokens past their ``block_table`` row, give zeros and are
+    counted. ``num_out_rows`` comes from the host
     (usually ``cu_seq_lens[-1]``), so the op never reads device memory on the host. With ``out``
     given (``num_out_rows`` is then ``out.shape[0]``), only the covered rows are written."""
     fmt = _gather_format(cache_format, kv_cache)
