@@ -1,9 +1,12 @@
-// mlakv CLI: `mlakv check`. A randomized differential test of the fused op: for every named model
-// config and seed, one random case (model dtype, cache format and layout, rope style, T, Td, block
-// size, padding rows and slots, out-of-range slots and positions, RMSNorm, optional outputs,
-// aliasing, device Td) is run by the host reference and by every backend; every byte of every
-// buffer (inputs included: they must stay untouched) must match the reference, and CUDA must match
-// the CPU, RMSNorm-derived values included (docs/decisions.md: one fixed sum order).
+// mlakv CLI: `mlakv check`. A randomized differential test of the ops, by family (--ops): the fused
+// op (mla_rope_cache) and the input norms (rmsnorm_quant, mla_rmsnorm_quant,
+// per_token_group_quant_fp8). For every named config and seed, one random case (fused: model dtype,
+// cache format and layout, rope style, T, Td, block size, padding rows and slots, out-of-range
+// slots and positions, RMSNorm, optional outputs, aliasing, device Td; norms: model dtype, width,
+// T, group size, scale layout and floor, residual, normed_out) is run by the host reference and by
+// every backend; every byte of every buffer (inputs included: they must stay untouched) must match
+// the reference, and CUDA must match the CPU, RMSNorm-derived values included (docs/decisions.md:
+// one fixed sum order).
 #include <algorithm>
 #include <array>
 #include <cstdio>
@@ -371,17 +374,26 @@ MlaRopeCacheParams build_params(const Case& c, const std::array<void*, kNumBuffe
 
 // ---- comparison: every byte (RMSNorm outputs too: the reference sums in the library's order) ----
 
+// What one run of a case left in its buffers (by buffer id; empty: not used by the case) and in the
+// error counters. `names` names the buffers of the case's op family.
+struct Run {
+  const char* (*names)(int) = nullptr;
+  std::vector<std::vector<uint8_t>> result;
+  std::array<int32_t, kNumErrorCounters> counts = {};
+  bool ran() const { return !result.empty(); }
+};
+
 struct Mismatch {
   bool found = false;
   std::string text;
 };
 
-Mismatch compare_buffer(int id, const std::vector<uint8_t>& got,
+Mismatch compare_buffer(const char* name, const std::vector<uint8_t>& got,
                         const std::vector<uint8_t>& expected, const char* versus) {
   Mismatch m;
   if (got.size() != expected.size()) {
     m.found = true;
-    m.text = std::string(buffer_name(id)) + ": size differs";
+    m.text = std::string(name) + ": size differs";
     return m;
   }
   const int64_t first = first_difference(got.data(), expected.data(), got.size());
@@ -390,45 +402,15 @@ Mismatch compare_buffer(int id, const std::vector<uint8_t>& got,
   char buf[64];
   std::snprintf(buf, sizeof(buf), " 0x%02x vs %s 0x%02x", got[at], versus, expected[at]);
   m.found = true;
-  m.text = std::string(buffer_name(id)) + ": byte " + std::to_string(at) + " of " +
+  m.text = std::string(name) + ": byte " + std::to_string(at) + " of " +
            std::to_string(got.size()) + ":" + buf;
   return m;
 }
 
-struct BackendRun {
-  std::array<std::vector<uint8_t>, kNumBuffers> result;
-  std::array<int32_t, kNumErrorCounters> counts = {};
-};
-
-BackendRun run_backend(const Case& c, const CaseBuffers& initial, Device device) {
-  std::array<Buffer, kNumBuffers> buffers;
-  std::array<void*, kNumBuffers> base = {};
-  for (int id = 0; id < kNumBuffers; ++id) {
-    if (initial.data[id].empty()) continue;
-    buffers[id] = Buffer(device, initial.data[id].size());
-    buffers[id].upload(initial.data[id]);
-    base[id] = buffers[id].data();
-  }
-  Buffer counts(device, kNumErrorCounters * sizeof(int32_t));
-  reset_error_counts(counts.as<int32_t>(), device);
-  Context ctx;
-  ctx.error_counts = counts.as<int32_t>();
-  mla_rope_cache(build_params(c, base, device), ctx);
-  device_synchronize(device);
-  BackendRun run;
-  read_error_counts(counts.as<int32_t>(), device, run.counts.data());
-  for (int id = 0; id < kNumBuffers; ++id) {
-    if (!initial.data[id].empty()) {
-      run.result[id] = buffers[id].download();
-      run.result[id].resize(initial.data[id].size());
-    }
-  }
-  return run;
-}
-
-Mismatch compare_runs(const BackendRun& got, const BackendRun& expected, const char* versus) {
-  for (int id = 0; id < kNumBuffers; ++id) {
-    const Mismatch m = compare_buffer(id, got.result[id], expected.result[id], versus);
+Mismatch compare_runs(const Run& got, const Run& expected, const char* versus) {
+  for (size_t id = 0; id < expected.result.size(); ++id) {
+    const Mismatch m = compare_buffer(expected.names(static_cast<int>(id)), got.result[id],
+                                      expected.result[id], versus);
     if (m.found) return m;
   }
   for (int k = 0; k < kNumErrorCounters; ++k) {
@@ -443,6 +425,374 @@ Mismatch compare_runs(const BackendRun& got, const BackendRun& expected, const c
   }
   return {};
 }
+
+// Copies of `initial` on `device` (nullptr for an unused buffer); the run's result is read back
+// from them, cut to each buffer's size.
+struct DeviceCopies {
+  std::vector<Buffer> buffers;
+  std::vector<void*> base;
+
+  DeviceCopies(const std::vector<std::vector<uint8_t>>& initial, Device device)
+      : buffers(initial.size()), base(initial.size(), nullptr) {
+    for (size_t id = 0; id < initial.size(); ++id) {
+      if (initial[id].empty()) continue;
+      buffers[id] = Buffer(device, initial[id].size());
+      buffers[id].upload(initial[id]);
+      base[id] = buffers[id].data();
+    }
+  }
+  void read_back(const std::vector<std::vector<uint8_t>>& initial, Run* run) const {
+    run->result.resize(initial.size());
+    for (size_t id = 0; id < initial.size(); ++id) {
+      if (initial[id].empty()) continue;
+      run->result[id] = buffers[id].download();
+      run->result[id].resize(initial[id].size());
+    }
+  }
+};
+
+// ---- the op families `check` covers ------------------------------------------------------------
+
+// One family of ops: named configs, and for each (config, seed) one random case that the host
+// reference and every backend run on copies of the same initial buffers.
+class Family {
+ public:
+  virtual ~Family() = default;
+  virtual int num_configs() const = 0;
+  virtual const char* config_name(int config) const = 0;
+  // Makes case `i` (of seed `seed`) of `config` the current case.
+  virtual void prepare(int config, int i, uint64_t seed) = 0;
+  virtual std::string describe() const = 0;
+  virtual Run reference() const = 0;
+  virtual Run run(Device device) const = 0;
+  // Printed after a config's tallies (what its cases covered), or "".
+  virtual std::string config_note(int /*config*/) const { return ""; }
+};
+
+// mla_rope_cache: the model configs, the cache format cycling by seed.
+class FusedFamily : public Family {
+ public:
+  int num_configs() const override { return static_cast<int>(model_configs().size()); }
+  const char* config_name(int config) const override { return model_configs()[config].name; }
+
+  void prepare(int config, int i, uint64_t seed) override {
+    const ModelConfig& model = model_configs()[config];
+    if (i == 0) formats_seen_ = 0;
+    // Cycle through the cache formats (fp8_ds_mla only where L = 512, R = 64).
+    int format_index = i % 6;
+    if (format_index == 5 && (model.L != kDsMlaLatentDim || model.R != kDsMlaRopeDim)) {
+      format_index = static_cast<int>(seed % 5);
+    }
+    formats_seen_ |= 1 << format_index;
+    case_ = make_case(model, seed, format_index);
+    initial_ = initial_buffers(case_).data;
+  }
+  std::string describe() const override { return case_.describe(); }
+
+  Run reference() const override {
+    Run run = empty_run();
+    run.result.assign(initial_.begin(), initial_.end());
+    std::array<void*, kNumBuffers> host = {};
+    for (int id = 0; id < kNumBuffers; ++id) {
+      host[id] = run.result[id].empty() ? nullptr : run.result[id].data();
+    }
+    ref::mla_rope_cache(build_params(case_, host, Device{}), run.counts.data());
+    return run;
+  }
+
+  Run run(Device device) const override {
+    const std::vector<std::vector<uint8_t>> initial(initial_.begin(), initial_.end());
+    const DeviceCopies copies(initial, device);
+    std::array<void*, kNumBuffers> base = {};
+    std::copy(copies.base.begin(), copies.base.end(), base.begin());
+    Buffer counts(device, kNumErrorCounters * sizeof(int32_t));
+    reset_error_counts(counts.as<int32_t>(), device);
+    Context ctx;
+    ctx.error_counts = counts.as<int32_t>();
+    mla_rope_cache(build_params(case_, base, device), ctx);
+    device_synchronize(device);
+    Run run = empty_run();
+    read_error_counts(counts.as<int32_t>(), device, run.counts.data());
+    copies.read_back(initial, &run);
+    return run;
+  }
+
+  std::string config_note(int /*config*/) const override {
+    int formats = 0;
+    for (int f = 0; f < 6; ++f) formats += (formats_seen_ >> f) & 1;
+    return "(" + std::to_string(formats) + " cache formats)";
+  }
+
+ private:
+  static Run empty_run() {
+    Run run;
+    run.names = buffer_name;
+    return run;
+  }
+
+  Case case_;
+  std::array<std::vector<uint8_t>, kNumBuffers> initial_;
+  int formats_seen_ = 0;
+};
+
+// rmsnorm_quant, mla_rmsnorm_quant and per_token_group_quant_fp8 (include/mlakv/rmsnorm_quant.h):
+// DeepSeek-V3's widths and random ones, random T, group size, scale layout and floor, residual and
+// normed_out (in place or not); every output is poisoned first, every input compared afterwards.
+enum class NormOp { kRmsNormQuant, kDual, kGroupQuant };
+
+struct NormConfig {
+  const char* name;
+  NormOp op;
+  int64_t N;  // the row width (the dual form: q_c's; kv_c is 512); 0: random
+};
+
+const std::vector<NormConfig>& norm_configs() {
+  static const std::vector<NormConfig> configs = {
+      {"rmsnorm_quant 1536", NormOp::kRmsNormQuant, 1536},
+      {"rmsnorm_quant 7168", NormOp::kRmsNormQuant, 7168},
+      {"rmsnorm_quant any N", NormOp::kRmsNormQuant, 0},
+      {"mla_rmsnorm_quant", NormOp::kDual, 1536},
+      {"per_token_group_quant", NormOp::kGroupQuant, 0},
+  };
+  return configs;
+}
+
+// The buffers of a case (named as the ops' params name them; the dual form's q half by its q_c
+// names, its kv half as kv_c, kv_weight, kv_c_out).
+enum NormBufferId : int {
+  kNInput,
+  kNWeight,
+  kNResidual,
+  kNNormedOut,
+  kNValues,
+  kNScales,
+  kNKvInput,
+  kNKvWeight,
+  kNKvOut,
+  kNumNormBuffers
+};
+
+const char* norm_buffer_name(int id) {
+  static const char* names[kNumNormBuffers] = {"input",      "weight",    "residual",
+                                               "normed_out", "values",    "scales",
+                                               "kv_c",       "kv_weight", "kv_c_out"};
+  return names[id];
+}
+
+constexpr int64_t kKvWidth = 512;
+
+struct NormCase {
+  const NormConfig* config = nullptr;
+  uint64_t seed = 0;
+  DType model = DType::kBFloat16;
+  int64_t T = 0, pad_rows = 0, N = 0, G = 0;
+  bool residual = false;  // rmsnorm_quant only
+  Alias normed_out = Alias::kNone;
+  Alias kv_out = Alias::kSeparate;  // the dual form's kv_c_out: separate or kv_c itself
+  bool column_major = false;
+  int64_t scale_stride = 0;  // row-major: >= N / G; column-major: >= rows
+  bool pow2 = false;
+  float eps = 1e-6f;
+  float scale_floor = kDefaultScaleFloor;
+  int64_t zero_rows = 0;  // leading rows of zeros (their scales are the floor)
+
+  int64_t rows() const { return T + pad_rows; }
+  int64_t groups() const { return N / G; }
+  int64_t scale_floats() const {
+    return column_major ? groups() * scale_stride : rows() * scale_stride;
+  }
+
+  std::string describe() const {
+    std::ostringstream os;
+    os << "seed " << seed << ": T " << T << " pad " << pad_rows << " " << dtype_name(model) << " N "
+       << N << " G " << G << (column_major ? " column-major" : " row-major") << " scales (stride "
+       << scale_stride << ")" << (pow2 ? " pow2" : "");
+    if (scale_floor != kDefaultScaleFloor) os << " floor " << scale_floor;
+    if (config->op != NormOp::kGroupQuant) os << " eps " << eps;
+    if (residual) os << " residual";
+    if (normed_out != Alias::kNone) {
+      os << (normed_out == Alias::kInPlace ? " normed_out=input" : " normed_out");
+    }
+    if (config->op == NormOp::kDual) {
+      os << (kv_out == Alias::kInPlace ? " kv_c_out=kv_c" : " kv_c_out");
+    }
+    if (zero_rows > 0) os << " " << zero_rows << " zero rows";
+    return os.str();
+  }
+};
+
+NormCase make_norm_case(const NormConfig& config, uint64_t seed) {
+  uint64_t name_hash = 1469598103934665603ull;  // FNV-1a of the config's name, as make_case
+  for (const char* ch = config.name; *ch != '\0'; ++ch) {
+    name_hash = (name_hash ^ static_cast<uint8_t>(*ch)) * 1099511628211ull;
+  }
+  Rng rng(seed * 0x9e3779b97f4a7c15ull + name_hash);
+  NormCase c;
+  c.config = &config;
+  c.seed = seed;
+  const double dtype_roll = rng.uniform(0.0f, 1.0f);
+  c.model =
+      dtype_roll < 0.6 ? DType::kBFloat16 : (dtype_roll < 0.8 ? DType::kFloat16 : DType::kFloat32);
+  // T: mostly small; sometimes past the CUDA kernels' thread-form thresholds
+  // (docs/rmsnorm_quant.md).
+  const double t_roll = rng.uniform(0.0f, 1.0f);
+  c.T = t_roll < 0.8 ? rng.between(1, 64)
+                     : (t_roll < 0.95 ? rng.between(65, 300) : rng.between(1500, 4200));
+  c.pad_rows = rng.chance(0.5) ? rng.between(1, 4) : 0;
+  const int64_t groups[] = {16, 32, 64, 128, 256};
+  if (config.N > 0) {
+    c.N = config.N;
+    c.G = rng.chance(0.7) ? 128 : groups[rng.below(5)];
+    while (c.N % c.G != 0) c.G /= 2;
+  } else {
+    c.G = rng.chance(0.5) ? 128 : groups[rng.below(5)];
+    c.N = c.G * rng.between(1, 24);
+  }
+  c.residual = config.op == NormOp::kRmsNormQuant && rng.chance(0.4);
+  if (config.op != NormOp::kGroupQuant && rng.chance(0.4)) {
+    c.normed_out = rng.chance(0.3) ? Alias::kInPlace : Alias::kSeparate;
+  }
+  if (config.op == NormOp::kDual && rng.chance(0.5)) c.kv_out = Alias::kInPlace;
+  c.column_major = rng.chance(0.5);
+  const int64_t pad = rng.chance(0.3) ? rng.between(1, 3) : 0;
+  c.scale_stride = c.column_major ? (c.rows() + 3) / 4 * 4 + pad : c.groups() + pad;
+  c.pow2 = rng.chance(0.3);
+  c.eps = rng.chance(0.2) ? 1e-5f : 1e-6f;
+  if (rng.chance(0.2)) c.scale_floor = rng.uniform(1e-4f, 1e-2f);
+  c.zero_rows = rng.chance(0.15) ? std::min<int64_t>(c.T, rng.between(1, 3)) : 0;
+  return c;
+}
+
+std::vector<std::vector<uint8_t>> norm_initial_buffers(const NormCase& c) {
+  Rng rng(c.seed ^ 0xda7a5eedull);
+  std::vector<std::vector<uint8_t>> b(kNumNormBuffers);
+  const size_t mb = dtype_size(c.model);
+  const int64_t rows = c.rows();
+  b[kNInput] = random_values(c.model, rows * c.N, 2.0f, rng);
+  std::fill(b[kNInput].begin(), b[kNInput].begin() + c.zero_rows * c.N * mb, uint8_t{0});
+  if (c.config->op != NormOp::kGroupQuant) b[kNWeight] = random_values(c.model, c.N, 1.5f, rng);
+  if (c.residual) {
+    b[kNResidual] = random_values(c.model, rows * c.N, 2.0f, rng);
+    std::fill(b[kNResidual].begin(), b[kNResidual].begin() + c.zero_rows * c.N * mb, uint8_t{0});
+  }
+  if (c.normed_out == Alias::kSeparate) b[kNNormedOut].assign(rows * c.N * mb, kPoisonByte);
+  b[kNValues].assign(static_cast<size_t>(rows * c.N), kPoisonByte);
+  b[kNScales].assign(static_cast<size_t>(c.scale_floats()) * 4, kPoisonByte);
+  if (c.config->op == NormOp::kDual) {
+    b[kNKvInput] = random_values(c.model, rows * kKvWidth, 2.0f, rng);
+    b[kNKvWeight] = random_values(c.model, kKvWidth, 1.5f, rng);
+    if (c.kv_out == Alias::kSeparate) b[kNKvOut].assign(rows * kKvWidth * mb, kPoisonByte);
+  }
+  return b;
+}
+
+// The views of a case over one copy of its buffers (`base[id]`, on `device`).
+struct NormViews {
+  RmsNormQuantParams q;  // rmsnorm_quant; the dual form's q half; the group quant's input + quant
+  RmsNormParams kv;      // the dual form's kv half
+};
+
+NormViews norm_views(const NormCase& c, const std::vector<void*>& base, Device device) {
+  const DType m = c.model;
+  const int64_t rows = c.rows();
+  NormViews v;
+  RmsNormQuantParams& q = v.q;
+  q.num_tokens = c.T;
+  q.input = make_view(base[kNInput], m, {rows, c.N}, device);
+  if (base[kNWeight] != nullptr) q.weight = make_view(base[kNWeight], m, {c.N}, device);
+  q.eps = c.eps;
+  if (c.residual) q.residual = make_view(base[kNResidual], m, {rows, c.N}, device);
+  if (c.normed_out == Alias::kSeparate) {
+    q.normed_out = make_view(base[kNNormedOut], m, {rows, c.N}, device);
+  }
+  if (c.normed_out == Alias::kInPlace) q.normed_out = q.input;
+  q.quant.values = make_view(base[kNValues], DType::kFloat8E4M3, {rows, c.N}, device);
+  float* scales = static_cast<float*>(base[kNScales]);
+  q.quant.scales = c.column_major
+                       ? column_major_scales_view(scales, rows, c.groups(), c.scale_stride, device)
+                       : make_strided_view(scales, DType::kFloat32, {rows, c.groups()},
+                                           {c.scale_stride, 1}, device);
+  q.quant.group_size = c.G;
+  q.quant.scale_floor = c.scale_floor;
+  q.quant.pow2_scale = c.pow2;
+  if (c.config->op == NormOp::kDual) {
+    v.kv.num_tokens = c.T;
+    v.kv.input = make_view(base[kNKvInput], m, {rows, kKvWidth}, device);
+    v.kv.weight = make_view(base[kNKvWeight], m, {kKvWidth}, device);
+    v.kv.eps = c.eps;
+    v.kv.output = c.kv_out == Alias::kInPlace
+                      ? v.kv.input
+                      : make_view(base[kNKvOut], m, {rows, kKvWidth}, device);
+  }
+  return v;
+}
+
+class NormFamily : public Family {
+ public:
+  int num_configs() const override { return static_cast<int>(norm_configs().size()); }
+  const char* config_name(int config) const override { return norm_configs()[config].name; }
+  void prepare(int config, int /*i*/, uint64_t seed) override {
+    case_ = make_norm_case(norm_configs()[config], seed);
+    initial_ = norm_initial_buffers(case_);
+  }
+  std::string describe() const override { return case_.describe(); }
+
+  Run reference() const override {
+    Run run;
+    run.names = norm_buffer_name;
+    run.result = initial_;
+    std::vector<void*> host(kNumNormBuffers, nullptr);
+    for (int id = 0; id < kNumNormBuffers; ++id) {
+      if (!run.result[id].empty()) host[id] = run.result[id].data();
+    }
+    const NormViews v = norm_views(case_, host, Device{});
+    ref::rmsnorm_quant(v.q);  // without a weight (the group quant) it only quantizes
+    if (case_.config->op == NormOp::kDual) {
+      RmsNormQuantParams kv;  // no quant: it only normalizes, into normed_out
+      kv.num_tokens = v.kv.num_tokens;
+      kv.input = v.kv.input;
+      kv.weight = v.kv.weight;
+      kv.eps = v.kv.eps;
+      kv.normed_out = v.kv.output;
+      ref::rmsnorm_quant(kv);
+    }
+    return run;
+  }
+
+  Run run(Device device) const override {
+    const DeviceCopies copies(initial_, device);
+    const NormViews v = norm_views(case_, copies.base, device);
+    switch (case_.config->op) {
+      case NormOp::kRmsNormQuant:
+        rmsnorm_quant(v.q);
+        break;
+      case NormOp::kDual: {
+        MlaRmsNormQuantParams p;
+        p.q = v.q;
+        p.kv = v.kv;
+        mla_rmsnorm_quant(p);
+        break;
+      }
+      case NormOp::kGroupQuant: {
+        PerTokenGroupQuantParams p;
+        p.num_tokens = v.q.num_tokens;
+        p.input = v.q.input;
+        p.quant = v.q.quant;
+        per_token_group_quant_fp8(p);
+        break;
+      }
+    }
+    device_synchronize(device);
+    Run run;
+    run.names = norm_buffer_name;
+    copies.read_back(initial_, &run);
+    return run;
+  }
+
+ private:
+  NormCase case_;
+  std::vector<std::vector<uint8_t>> initial_;
+};
 
 struct Tally {
   int cases = 0;
@@ -474,7 +824,9 @@ int run_check(const CheckOptions& options) {
   MLAKV_CHECK(on_cuda || options.device == 0, "check: --device: names the CUDA backend's GPU, ",
               "but no CUDA backend runs (--backend ", options.backend, ")");
   const bool cross = backends.size() == 2;
-  std::printf("mlakv check: %d seeds per config, backends:", options.seeds);
+  std::printf("mlakv check: %s, %d seeds per config, backends:",
+              options.ops == "all" ? "mla_rope_cache and rmsnorm_quant" : options.ops.c_str(),
+              options.seeds);
   for (const auto& b : backends) std::printf(" %s", b.first.c_str());
   std::printf(" (vs host reference%s)", cross ? "; cuda also vs cpu" : "");
   if (on_cuda) std::printf("; cuda = %s", device_name(backends.back().second).c_str());
@@ -483,93 +835,84 @@ int run_check(const CheckOptions& options) {
 
   const bool progress = stderr_is_terminal();
   int total_cases = 0, total_failures = 0;
-  for (const ModelConfig& model : model_configs()) {
-    std::vector<Tally> tallies(backends.size());
-    Tally cross_tally;
-    std::vector<std::string> failures;
-    int formats_seen = 0;
-    for (int i = 0; i < options.seeds; ++i) {
-      const uint64_t seed = options.first_seed + static_cast<uint64_t>(i);
-      // Cycle through the cache formats (fp8_ds_mla only where L = 512, R = 64).
-      int format_index = i % 6;
-      if (format_index == 5 && (model.L != kDsMlaLatentDim || model.R != kDsMlaRopeDim)) {
-        format_index = static_cast<int>(seed % 5);
+  FusedFamily fused;
+  NormFamily norm;
+  std::vector<Family*> families;
+  if (options.ops == "all" || options.ops == "mla_rope_cache") families.push_back(&fused);
+  if (options.ops == "all" || options.ops == "rmsnorm_quant") families.push_back(&norm);
+  for (Family* family : families) {
+    for (int config = 0; config < family->num_configs(); ++config) {
+      const char* config_name = family->config_name(config);
+      std::vector<Tally> tallies(backends.size());
+      Tally cross_tally;
+      std::vector<std::string> failures;
+      for (int i = 0; i < options.seeds; ++i) {
+        const uint64_t seed = options.first_seed + static_cast<uint64_t>(i);
+        family->prepare(config, i, seed);
+        const std::string described = family->describe();
+        if (progress) {
+          std::fprintf(stderr, "\r\033[K%s [%d/%d] %s", config_name, i + 1, options.seeds,
+                       described.substr(0, 100).c_str());
+        }
+        const Run reference = family->reference();
+        std::vector<Run> runs;
+        for (size_t b = 0; b < backends.size(); ++b) {
+          Mismatch m;
+          try {
+            runs.push_back(family->run(backends[b].second));
+            m = compare_runs(runs.back(), reference, "reference");
+          } catch (const Error& e) {
+            runs.emplace_back();
+            m.found = true;
+            m.text = std::string("threw: ") + e.what();
+          }
+          ++tallies[b].cases;
+          if (m.found) {
+            ++tallies[b].failures;
+            failures.push_back(backends[b].first + " vs reference: " + described + ": " + m.text);
+          }
+        }
+        if (cross && runs[0].ran() && runs[1].ran()) {
+          const Mismatch m = compare_runs(runs[1], runs[0], "cpu");
+          ++cross_tally.cases;
+          if (m.found) {
+            ++cross_tally.failures;
+            failures.push_back("cuda vs cpu: " + described + ": " + m.text);
+          }
+        }
+        if (options.verbose) {
+          if (progress) std::fprintf(stderr, "\r\033[K");
+          std::printf("  %s: %s\n", described.c_str(),
+                      failures.empty() ? "ok" : "MISMATCH (see below)");
+        }
       }
-      formats_seen |= 1 << format_index;
-      const Case c = make_case(model, seed, format_index);
-      if (progress) {
-        std::fprintf(stderr, "\r\033[K%s [%d/%d] %s", model.name, i + 1, options.seeds,
-                     c.describe().substr(0, 100).c_str());
-      }
-      const CaseBuffers initial = initial_buffers(c);
+      if (progress) std::fprintf(stderr, "\r\033[K");
 
-      // The reference on host copies.
-      BackendRun reference;
-      std::array<void*, kNumBuffers> host_base = {};
-      for (int id = 0; id < kNumBuffers; ++id) {
-        reference.result[id] = initial.data[id];
-        host_base[id] = reference.result[id].empty() ? nullptr : reference.result[id].data();
-      }
-      const MlaRopeCacheParams host_params = build_params(c, host_base, Device{});
-      ref::mla_rope_cache(host_params, reference.counts.data());
-
-      std::vector<BackendRun> runs;
+      std::printf("%-22s", config_name);
+      bool ok = true;
       for (size_t b = 0; b < backends.size(); ++b) {
-        Mismatch m;
-        try {
-          runs.push_back(run_backend(c, initial, backends[b].second));
-          m = compare_runs(runs.back(), reference, "reference");
-        } catch (const Error& e) {
-          runs.emplace_back();
-          m.found = true;
-          m.text = std::string("threw: ") + e.what();
-        }
-        ++tallies[b].cases;
-        if (m.found) {
-          ++tallies[b].failures;
-          failures.push_back(backends[b].first + " vs reference: " + c.describe() + ": " + m.text);
-        }
+        std::printf("  %s %d/%d ok", backends[b].first.c_str(),
+                    tallies[b].cases - tallies[b].failures, tallies[b].cases);
+        ok = ok && tallies[b].failures == 0;
+        total_cases += tallies[b].cases;
+        total_failures += tallies[b].failures;
       }
-      if (cross && !runs[0].result[kKvC].empty() && !runs[1].result[kKvC].empty()) {
-        const Mismatch m = compare_runs(runs[1], runs[0], "cpu");
-        ++cross_tally.cases;
-        if (m.found) {
-          ++cross_tally.failures;
-          failures.push_back("cuda vs cpu: " + c.describe() + ": " + m.text);
-        }
+      if (cross) {
+        std::printf("  cuda==cpu %d/%d", cross_tally.cases - cross_tally.failures,
+                    cross_tally.cases);
+        ok = ok && cross_tally.failures == 0;
+        total_cases += cross_tally.cases;
+        total_failures += cross_tally.failures;
       }
-      if (options.verbose) {
-        if (progress) std::fprintf(stderr, "\r\033[K");
-        std::printf("  %s: %s\n", c.describe().c_str(),
-                    failures.empty() ? "ok" : "MISMATCH (see below)");
+      const std::string note = family->config_note(config);
+      std::printf("  %s%s%s\n", note.c_str(), note.empty() ? "" : "  ", ok ? "PASS" : "FAIL");
+      const size_t shown = std::min<size_t>(failures.size(), 5);
+      for (size_t k = 0; k < shown; ++k) std::printf("    MISMATCH %s\n", failures[k].c_str());
+      if (failures.size() > shown) {
+        std::printf("    ... and %zu more\n", failures.size() - shown);
       }
+      std::fflush(stdout);
     }
-    if (progress) std::fprintf(stderr, "\r\033[K");
-
-    int formats = 0;
-    for (int f = 0; f < 6; ++f) formats += (formats_seen >> f) & 1;
-    std::printf("%-22s", model.name);
-    bool ok = true;
-    for (size_t b = 0; b < backends.size(); ++b) {
-      std::printf("  %s %d/%d ok", backends[b].first.c_str(),
-                  tallies[b].cases - tallies[b].failures, tallies[b].cases);
-      ok = ok && tallies[b].failures == 0;
-      total_cases += tallies[b].cases;
-      total_failures += tallies[b].failures;
-    }
-    if (cross) {
-      std::printf("  cuda==cpu %d/%d", cross_tally.cases - cross_tally.failures, cross_tally.cases);
-      ok = ok && cross_tally.failures == 0;
-      total_cases += cross_tally.cases;
-      total_failures += cross_tally.failures;
-    }
-    std::printf("  (%d cache formats)  %s\n", formats, ok ? "PASS" : "FAIL");
-    const size_t shown = std::min<size_t>(failures.size(), 5);
-    for (size_t k = 0; k < shown; ++k) std::printf("    MISMATCH %s\n", failures[k].c_str());
-    if (failures.size() > shown) {
-      std::printf("    ... and %zu more\n", failures.size() - shown);
-    }
-    std::fflush(stdout);
   }
   std::printf("summary: %d comparisons, %d mismatches: %s\n", total_cases, total_failures,
               total_failures == 0 ? "PASS" : "FAIL");

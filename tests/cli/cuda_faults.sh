@@ -30,19 +30,19 @@ case_() {
 
 # The rows of tests/cli/fault_cases.txt (ctest runs them on the CPU backend): check and bench on
 # CUDA must find the same faults.
-check="-- $faulty check --backend cuda --seeds 2"
+check="-- $faulty check --backend cuda --seeds 2 --ops"
 bench="$faulty bench --backend cuda --iters 1 --workload"
 rows=$(grep -E '^(check|bench)[|]' "$(dirname "$0")/fault_cases.txt")
 [ -n "$rows" ] || { echo "cuda_faults.sh: no rows in fault_cases.txt"; exit 2; }
 while IFS='|' read -r kind name fault f4 f5 f6; do
   if [ "$kind" = check ]; then
-    # f4: all or some cases fail; f5: the mismatch message.
-    if [ "$f4" = all ]; then
+    # f4: the ops (--ops); f5: all or some cases fail; f6: the mismatch message.
+    if [ "$f5" = all ]; then
       case_ "check_$name" "$fault" 1 "summary: 10 comparisons, 10 mismatches: FAIL" \
-        "cuda 0/2 ok .*FAIL$" "MISMATCH cuda vs reference: seed .*: $f5" $check
+        "cuda 0/2 ok .*FAIL$" "MISMATCH cuda vs reference: seed .*: $f6" $check "$f4"
     else
       case_ "check_$name" "$fault" 1 "summary: 10 comparisons, [1-9] mismatches: FAIL" \
-        "MISMATCH cuda vs reference: seed .*: $f5" $check
+        "MISMATCH cuda vs reference: seed .*: $f6" $check "$f4"
     fi
   else
     # f4: the exit status; f5: the workload and its arguments (split into words on purpose);
@@ -58,11 +58,17 @@ EOF
 both="-- $faulty check --backend all --seeds 2"
 case_ check_cuda_vs_cpu mla_rope_cache@cuda:kv_cache 1 \
   "summary: 30 comparisons, 20 mismatches: FAIL" "cpu 2/2 ok  cuda 0/2 ok  cuda==cpu 0/2" \
-  "MISMATCH cuda vs cpu: seed .*: kv_cache: byte 0 of" $both
+  "MISMATCH cuda vs cpu: seed .*: kv_cache: byte 0 of" $both --ops mla_rope_cache
 case_ check_cuda_vs_cpu_counter mla_rope_cache@cuda:counter 1 \
   "summary: 30 comparisons, 20 mismatches: FAIL" \
-  "MISMATCH cuda vs cpu: seed .*: error counter .*: 1 vs cpu 0" $both
-case_ check_all_pass none:none 0 "summary: 30 comparisons, 0 mismatches: PASS" $both
+  "MISMATCH cuda vs cpu: seed .*: error counter .*: 1 vs cpu 0" $both --ops mla_rope_cache
+# rmsnorm_quant runs in 3 of the 5 configs of its family: 6 cases fail against the reference
+# and 6 against the CPU.
+case_ check_cuda_vs_cpu_norm rmsnorm_quant@cuda:scales:last 1 \
+  "summary: 30 comparisons, 12 mismatches: FAIL" \
+  "rmsnorm_quant 1536  *cpu 2/2 ok  cuda 0/2 ok  cuda==cpu 0/2" \
+  "MISMATCH cuda vs cpu: seed .*: scales: byte [1-9]" $both --ops rmsnorm_quant
+case_ check_all_pass none:none 0 "summary: 60 comparisons, 0 mismatches: PASS" $both
 
 # --device: past the last GPU the commands refuse; with two GPUs, check and bench on cuda:1 (the
 # current device stays cuda:0 in check) must still see a fault in the CUDA run alone.
@@ -74,8 +80,8 @@ gpus=$("$faulty" info 2>&1 | sed -nE 's/^  cuda: built, ([0-9]+) visible device.
 if [ "${gpus:-0}" -ge 2 ]; then
   case_ check_device1_cuda_vs_cpu mla_rope_cache@cuda:kv_cache 1 \
     "summary: 30 comparisons, 20 mismatches: FAIL" "cuda = cuda:1" \
-    "MISMATCH cuda vs cpu: seed .*: kv_cache: byte 0 of" $both --device 1
-  case_ check_device1_pass none:none 0 "summary: 30 comparisons, 0 mismatches: PASS" $both --device 1
+    "MISMATCH cuda vs cpu: seed .*: kv_cache: byte 0 of" $both --ops mla_rope_cache --device 1
+  case_ check_device1_pass none:none 0 "summary: 60 comparisons, 0 mismatches: PASS" $both --device 1
   case_ bench_device1_unfused concat_and_cache_mla:kv_cache 2 \
     "CHECK FAILED: cache differs from unfused at byte 0 of" -- $bench decode_bf16 --tokens 1 --device 1
   case_ bench_device1 none:none 0 "^mlakv bench: cuda:1 " "^decode_bf16  *1 " \

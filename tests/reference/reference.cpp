@@ -583,7 +583,9 @@ void rmsnorm_quant(const RmsNormQuantParams& p) {
       for (int64_t i = 0; i < N; ++i) s[i] = round_to(s[i] + r[i], model);
       store_row(p.residual, t, 0, 0, s);
     }
-    const std::vector<float> y = rounded(rms_normalize(s, p.weight, p.eps), model);
+    // Without a weight: quantization only (per_token_group_quant_fp8), of the model values.
+    const std::vector<float> y =
+        p.weight.present() ? rounded(rms_normalize(s, p.weight, p.eps), model) : s;
     if (p.normed_out.present()) store_row(p.normed_out, t, 0, 0, y);
     if (!q.values.present()) continue;
     for (int64_t g = 0; g < N / q.group_size; ++g) {

@@ -46,7 +46,8 @@ void rotary_embedding(const RotaryEmbeddingParams& params, int32_t* error_counts
 void concat_and_cache_mla(const ConcatAndCacheMlaParams& params, int32_t* error_counts = nullptr);
 void decode_q_concat(const DecodeQConcatParams& params);
 void rms_norm(const RmsNormParams& params);
-// Without quant.values it only normalizes into normed_out (the kv_c half of mla_rmsnorm_quant).
+// Without quant.values it only normalizes into normed_out (the kv_c half of mla_rmsnorm_quant);
+// without a weight it only quantizes the input (per_token_group_quant_fp8).
 void rmsnorm_quant(const RmsNormQuantParams& params);
 void gather_cache_slots(const GatherCacheSlotsParams& params, int32_t* error_counts = nullptr);
 void gather_cache_sequences(const GatherCacheSequencesParams& params,
