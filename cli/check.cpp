@@ -11,6 +11,7 @@
 #include <array>
 #include <cstdio>
 #include <cstring>
+#include <iterator>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -485,13 +486,15 @@ class FusedFamily : public Family {
     }
     formats_seen_ |= 1 << format_index;
     case_ = make_case(model, seed, format_index);
-    initial_ = initial_buffers(case_).data;
+    CaseBuffers initial = initial_buffers(case_);
+    initial_.assign(std::make_move_iterator(initial.data.begin()),
+                    std::make_move_iterator(initial.data.end()));
   }
   std::string describe() const override { return case_.describe(); }
 
   Run reference() const override {
     Run run = empty_run();
-    run.result.assign(initial_.begin(), initial_.end());
+    run.result = initial_;
     std::array<void*, kNumBuffers> host = {};
     for (int id = 0; id < kNumBuffers; ++id) {
       host[id] = run.result[id].empty() ? nullptr : run.result[id].data();
@@ -501,8 +504,7 @@ class FusedFamily : public Family {
   }
 
   Run run(Device device) const override {
-    const std::vector<std::vector<uint8_t>> initial(initial_.begin(), initial_.end());
-    const DeviceCopies copies(initial, device);
+    const DeviceCopies copies(initial_, device);
     std::array<void*, kNumBuffers> base = {};
     std::copy(copies.base.begin(), copies.base.end(), base.begin());
     Buffer counts(device, kNumErrorCounters * sizeof(int32_t));
@@ -513,7 +515,7 @@ class FusedFamily : public Family {
     device_synchronize(device);
     Run run = empty_run();
     read_error_counts(counts.as<int32_t>(), device, run.counts.data());
-    copies.read_back(initial, &run);
+    copies.read_back(initial_, &run);
     return run;
   }
 
@@ -531,7 +533,7 @@ class FusedFamily : public Family {
   }
 
   Case case_;
-  std::array<std::vector<uint8_t>, kNumBuffers> initial_;
+  std::vector<std::vector<uint8_t>> initial_;  // by BufferId
   int formats_seen_ = 0;
 };
 
