@@ -152,12 +152,19 @@ struct Case {
   }
 };
 
-Case make_case(const ModelConfig& model, uint64_t seed, int format_index) {
-  uint64_t name_hash = 1469598103934665603ull;  // FNV-1a: configs with equal shapes differ
-  for (const char* ch = model.name; *ch != '\0'; ++ch) {
+// The random source of one case: seeded from a hash of the seed, the config's name (FNV-1a:
+// configs with equal shapes differ) and `salt`, so that seed s + 1 is not seed s's stream one draw
+// later (SplitMix64 seeded with s * its own increment would be).
+Rng case_rng(uint64_t seed, const char* config_name, uint64_t salt) {
+  uint64_t name_hash = 1469598103934665603ull;
+  for (const char* ch = config_name; *ch != '\0'; ++ch) {
     name_hash = (name_hash ^ static_cast<uint8_t>(*ch)) * 1099511628211ull;
   }
-  Rng rng(seed * 0x9e3779b97f4a7c15ull + static_cast<uint64_t>(format_index) * 7919u + name_hash);
+  return Rng(Rng(seed * 0x9e3779b97f4a7c15ull + salt * 7919u + name_hash).next());
+}
+
+Case make_case(const ModelConfig& model, uint64_t seed, int format_index) {
+  Rng rng = case_rng(seed, model.name, static_cast<uint64_t>(format_index));
   Case c;
   c.model = &model;
   c.seed = seed;
@@ -588,7 +595,7 @@ struct NormCase {
   uint64_t seed = 0;
   DType model = DType::kBFloat16;
   int64_t T = 0, pad_rows = 0, N = 0, G = 0;
-  bool residual = false;  // rmsnorm_quant only
+  bool residual = false;  // rmsnorm_quant, and the dual form's q half
   Alias normed_out = Alias::kNone;
   Alias kv_out = Alias::kSeparate;  // the dual form's kv_c_out: separate or kv_c itself
   bool column_major = false;
@@ -624,22 +631,25 @@ struct NormCase {
 };
 
 NormCase make_norm_case(const NormConfig& config, uint64_t seed) {
-  uint64_t name_hash = 1469598103934665603ull;  // FNV-1a of the config's name, as make_case
-  for (const char* ch = config.name; *ch != '\0'; ++ch) {
-    name_hash = (name_hash ^ static_cast<uint8_t>(*ch)) * 1099511628211ull;
-  }
-  Rng rng(seed * 0x9e3779b97f4a7c15ull + name_hash);
+  Rng rng = case_rng(seed, config.name, 0);
   NormCase c;
   c.config = &config;
   c.seed = seed;
   const double dtype_roll = rng.uniform(0.0f, 1.0f);
   c.model =
       dtype_roll < 0.6 ? DType::kBFloat16 : (dtype_roll < 0.8 ? DType::kFloat16 : DType::kFloat32);
-  // T: mostly small; sometimes past the CUDA kernels' thread-form thresholds
-  // (docs/rmsnorm_quant.md).
+  // T: mostly small; sometimes large. For the widths of the CUDA exact-fit kernel (N <= 1536) a
+  // large T crosses its thread-form thresholds (T = 1056 / 1536 / 2048 / 4096,
+  // docs/rmsnorm_quant.md); the wider rows stay below 1200 tokens (the reference is scalar).
+  const bool narrow = config.N > 0 && config.N <= 1536;
   const double t_roll = rng.uniform(0.0f, 1.0f);
-  c.T = t_roll < 0.8 ? rng.between(1, 64)
-                     : (t_roll < 0.95 ? rng.between(65, 300) : rng.between(1500, 4200));
+  if (t_roll < 0.75) {
+    c.T = rng.between(1, 64);
+  } else if (t_roll < 0.88) {
+    c.T = rng.between(65, 300);
+  } else {
+    c.T = narrow ? rng.between(1000, 8200) : rng.between(300, 1200);
+  }
   c.pad_rows = rng.chance(0.5) ? rng.between(1, 4) : 0;
   const int64_t groups[] = {16, 32, 64, 128, 256};
   if (config.N > 0) {
@@ -650,7 +660,7 @@ NormCase make_norm_case(const NormConfig& config, uint64_t seed) {
     c.G = rng.chance(0.5) ? 128 : groups[rng.below(5)];
     c.N = c.G * rng.between(1, 24);
   }
-  c.residual = config.op == NormOp::kRmsNormQuant && rng.chance(0.4);
+  c.residual = config.op != NormOp::kGroupQuant && rng.chance(0.4);  // the dual form: q_c's
   if (config.op != NormOp::kGroupQuant && rng.chance(0.4)) {
     c.normed_out = rng.chance(0.3) ? Alias::kInPlace : Alias::kSeparate;
   }

@@ -161,7 +161,7 @@ stage_sanitize() {
 stage_check() {
   run_logged "mlakv check" "$LOGS/check.txt" "$BUILD_DIR/mlakv" check --backend all
   local rc=$?
-  grep -E "PASS|FAIL|MISMATCH|summary|skipped" "$LOGS/check.txt" | tail -12 | tee -a "$SUMMARY"
+  grep -E "PASS|FAIL|MISMATCH|summary|skipped" "$LOGS/check.txt" | tail -24 | tee -a "$SUMMARY"
   return $rc
 }
 
