@@ -224,9 +224,9 @@ def gather_cache_sequences(kv_cache: torch.Tensor, block_table: torch.Tensor,
     ``cu_seq_lens[b] + i`` of a new ``[num_out_rows, L + R]`` tensor of ``out_dtype``, returned.
     Rows at or past ``num_out_rows`` are not written; rows no sequence covers are zeros; block ids
     outside ``[0, num_blocks)``, and tokens past their ``block_table`` row, give zeros and are
-    counted. ``num_out_rows`` comes from the host
-    (usually ``cu_seq_lens[-1]``), so the op never reads device memory on the host. With ``out``
-    given (``num_out_rows`` is then ``out.shape[0]``), only the covered rows are written."""
+    counted. ``num_out_rows`` comes from the host (usually ``cu_seq_lens[-1]``), so the op never
+    reads device memory on the host. With ``out`` given (``num_out_rows`` is then
+    ``out.shape[0]``), only the covered rows are written."""
     fmt = _gather_format(cache_format, kv_cache)
     if out is None and error_counts is None:
         return _ops.gather_cache_sequences(kv_cache, fmt, kv_cache_scale, kv_cache_rope,

@@ -497,6 +497,17 @@ def test_errors_name_the_torch_arguments(device):
         first = str(e.value).splitlines()[0]
         assert "quant." not in first and "q." not in first and "kv." not in first, first
     assert not out.view(torch.uint8).any() and bool((scales == -7.0).all())
+    # The cache's scale, named by the core as part of kv_cache, is the kv_cache_scale argument.
+    cfg = TP8
+    x = make_mla_inputs(cfg, "fp8_e4m3", T=4, device=device)
+    kv_c_out = torch.zeros(4, cfg.L, dtype=torch.bfloat16, device=device)
+    before = x.kv_cache.clone()
+    with pytest.raises(RuntimeError, match="kv_cache_scale") as e:
+        mlakv.mla_rope_cache(x.positions, x.slot_mapping, x.cos_sin_cache, x.kv_c, x.k_pe,
+                             x.kv_cache, cache_format="fp8_e4m3", kv_c_out=kv_c_out,
+                             kv_cache_scale=kv_c_out.view(torch.float32)[0, :1])
+    assert "kv_cache's scale" not in str(e.value)
+    assert torch.equal(x.kv_cache, before) and not kv_c_out.any()
 
 
 def test_binding_errors_say_where_they_come_from(device):
