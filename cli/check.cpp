@@ -11,7 +11,6 @@
 #include <array>
 #include <cstdio>
 #include <cstring>
-#include <iterator>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -242,23 +241,19 @@ Case make_case(const ModelConfig& model, uint64_t seed, int format_index) {
   return c;
 }
 
-// Bytes and initial contents of every buffer of a case (empty: not used).
-struct CaseBuffers {
-  std::array<std::vector<uint8_t>, kNumBuffers> data;
-};
-
 int64_t cache_entry_stride(const Case& c) {
   if (c.split_cache) return c.L * static_cast<int64_t>(dtype_size(cache_latent_dtype(c.format)));
   return cache_entry_bytes(c.format, c.L, c.R) + c.token_pad_bytes;
 }
 
-CaseBuffers initial_buffers(const Case& c) {
+// Bytes and initial contents of every buffer of a case, by BufferId (empty: not used).
+std::vector<std::vector<uint8_t>> initial_buffers(const Case& c) {
   Rng rng(c.seed ^ 0xda7a5eedull);
-  CaseBuffers b;
+  std::vector<std::vector<uint8_t>> b(kNumBuffers);
   const DType m = c.model_dtype;
   const size_t mb = c.model_bytes();
-  b.data[kPositions] = index_bytes(c.positions, c.index_dtype);
-  b.data[kSlots] = index_bytes(c.slots, c.index_dtype);
+  b[kPositions] = index_bytes(c.positions, c.index_dtype);
+  b[kSlots] = index_bytes(c.slots, c.index_dtype);
   {
     const std::vector<uint8_t> table = rope_table_bytes(c.max_pos, c.R, c.table_dtype);
     const size_t tb = dtype_size(c.table_dtype);
@@ -268,64 +263,62 @@ CaseBuffers initial_buffers(const Case& c) {
       std::memcpy(strided.data() + p * c.table_row_stride * tb, table.data() + p * c.R * tb,
                   c.R * tb);
     }
-    b.data[kTable] = std::move(strided);
+    b[kTable] = std::move(strided);
   }
-  b.data[kKvC] = random_values(m, c.rows() * c.kv_row(), 2.0f, rng);
-  if (!c.joint_kv) b.data[kKPe] = random_values(m, c.rows() * c.R, 2.0f, rng);
-  if (c.rms_norm) b.data[kNormWeight] = random_values(m, c.L, 1.5f, rng);
+  b[kKvC] = random_values(m, c.rows() * c.kv_row(), 2.0f, rng);
+  if (!c.joint_kv) b[kKPe] = random_values(m, c.rows() * c.R, 2.0f, rng);
+  if (c.rms_norm) b[kNormWeight] = random_values(m, c.L, 1.5f, rng);
   const int64_t entry_stride = cache_entry_stride(c);
-  b.data[kCache].assign(static_cast<size_t>(c.num_blocks * c.block_size * entry_stride),
-                        kSentinelByte);
+  b[kCache].assign(static_cast<size_t>(c.num_blocks * c.block_size * entry_stride), kSentinelByte);
   if (c.split_cache) {
-    b.data[kCacheRope].assign(static_cast<size_t>(c.num_blocks * c.block_size * c.R) *
-                                  dtype_size(cache_rope_dtype(c.format)),
-                              kSentinelByte);
+    b[kCacheRope].assign(static_cast<size_t>(c.num_blocks * c.block_size * c.R) *
+                             dtype_size(cache_rope_dtype(c.format)),
+                         kSentinelByte);
   }
   if (c.cache_scale) {
     const float scale = rng.uniform(0.004f, 0.05f);
-    b.data[kCacheScale].resize(4);
-    std::memcpy(b.data[kCacheScale].data(), &scale, 4);
+    b[kCacheScale].resize(4);
+    std::memcpy(b[kCacheScale].data(), &scale, 4);
   }
-  if (c.k_pe_out == Alias::kSeparate) b.data[kKPeOut].assign(c.rows() * c.R * mb, kPoisonByte);
-  if (c.kv_c_out == Alias::kSeparate) b.data[kKvCOut].assign(c.rows() * c.L * mb, kPoisonByte);
+  if (c.k_pe_out == Alias::kSeparate) b[kKPeOut].assign(c.rows() * c.R * mb, kPoisonByte);
+  if (c.kv_c_out == Alias::kSeparate) b[kKvCOut].assign(c.rows() * c.L * mb, kPoisonByte);
   if (c.decode_side) {
     const int64_t dr = c.decode_rows();
-    b.data[kQPe] = random_values(m, dr * c.H * c.R, 2.0f, rng);
-    if (c.ql_nope) b.data[kQlNope] = random_values(m, dr * c.H * c.L, 2.0f, rng);
+    b[kQPe] = random_values(m, dr * c.H * c.R, 2.0f, rng);
+    if (c.ql_nope) b[kQlNope] = random_values(m, dr * c.H * c.L, 2.0f, rng);
     // Without ql_nope the nope part is already in q_out (the absorb GEMM wrote it): random data
     // the op must leave alone. Otherwise q_out is poisoned.
     if (c.ql_nope) {
-      b.data[kQOut].assign(dr * c.H * (c.L + c.R) * dtype_size(c.q_out_dtype), kPoisonByte);
+      b[kQOut].assign(dr * c.H * (c.L + c.R) * dtype_size(c.q_out_dtype), kPoisonByte);
     } else {
-      b.data[kQOut] = random_values(c.q_out_dtype, dr * c.H * (c.L + c.R), 2.0f, rng);
+      b[kQOut] = random_values(c.q_out_dtype, dr * c.H * (c.L + c.R), 2.0f, rng);
     }
     if (c.q_scale) {
       const float scale = rng.uniform(0.004f, 0.05f);
-      b.data[kQScale].resize(4);
-      std::memcpy(b.data[kQScale].data(), &scale, 4);
+      b[kQScale].resize(4);
+      std::memcpy(b[kQScale].data(), &scale, 4);
     }
   }
   if (c.prefill_side) {
-    b.data[kQ] = random_values(m, c.rows() * c.H * (c.P + c.R), 2.0f, rng);
+    b[kQ] = random_values(m, c.rows() * c.H * (c.P + c.R), 2.0f, rng);
     if (c.q_prefill_out) {
-      b.data[kQPrefillOut].assign(c.rows() * c.H * (c.P + c.R) * mb, kPoisonByte);
+      b[kQPrefillOut].assign(c.rows() * c.H * (c.P + c.R) * mb, kPoisonByte);
     }
   }
   // A decode side of zero rows (Td = 0, no padding) still gets a real, never-touched allocation.
   for (int id : {kQPe, kQlNope, kQOut}) {
     const bool used = c.decode_side && (id != kQlNope || c.ql_nope);
-    if (used && b.data[id].empty()) b.data[id].assign(64, kPoisonByte);
+    if (used && b[id].empty()) b[id].assign(64, kPoisonByte);
   }
   if (c.device_td) {
-    b.data[kTdDevice].resize(4);
-    std::memcpy(b.data[kTdDevice].data(), &c.device_td_value, 4);
+    b[kTdDevice].resize(4);
+    std::memcpy(b[kTdDevice].data(), &c.device_td_value, 4);
   }
   return b;
 }
 
 // The op's params over one copy of the buffers (`base[id]`, on `device`).
-MlaRopeCacheParams build_params(const Case& c, const std::array<void*, kNumBuffers>& base,
-                                Device device) {
+MlaRopeCacheParams build_params(const Case& c, const std::vector<void*>& base, Device device) {
   const DType m = c.model_dtype;
   const int64_t rows = c.rows();
   MlaRopeCacheParams p;
@@ -459,6 +452,15 @@ struct DeviceCopies {
   }
 };
 
+// The host reference's pointers into a run's buffers (nullptr for an unused buffer).
+std::vector<void*> host_pointers(Run* run) {
+  std::vector<void*> host(run->result.size(), nullptr);
+  for (size_t id = 0; id < host.size(); ++id) {
+    if (!run->result[id].empty()) host[id] = run->result[id].data();
+  }
+  return host;
+}
+
 // ---- the op families `check` covers ------------------------------------------------------------
 
 // One family of ops: named configs, and for each (config, seed) one random case that the host
@@ -493,32 +495,24 @@ class FusedFamily : public Family {
     }
     formats_seen_ |= 1 << format_index;
     case_ = make_case(model, seed, format_index);
-    CaseBuffers initial = initial_buffers(case_);
-    initial_.assign(std::make_move_iterator(initial.data.begin()),
-                    std::make_move_iterator(initial.data.end()));
+    initial_ = initial_buffers(case_);
   }
   std::string describe() const override { return case_.describe(); }
 
   Run reference() const override {
     Run run = empty_run();
     run.result = initial_;
-    std::array<void*, kNumBuffers> host = {};
-    for (int id = 0; id < kNumBuffers; ++id) {
-      host[id] = run.result[id].empty() ? nullptr : run.result[id].data();
-    }
-    ref::mla_rope_cache(build_params(case_, host, Device{}), run.counts.data());
+    ref::mla_rope_cache(build_params(case_, host_pointers(&run), Device{}), run.counts.data());
     return run;
   }
 
   Run run(Device device) const override {
     const DeviceCopies copies(initial_, device);
-    std::array<void*, kNumBuffers> base = {};
-    std::copy(copies.base.begin(), copies.base.end(), base.begin());
     Buffer counts(device, kNumErrorCounters * sizeof(int32_t));
     reset_error_counts(counts.as<int32_t>(), device);
     Context ctx;
     ctx.error_counts = counts.as<int32_t>();
-    mla_rope_cache(build_params(case_, base, device), ctx);
+    mla_rope_cache(build_params(case_, copies.base, device), ctx);
     device_synchronize(device);
     Run run = empty_run();
     read_error_counts(counts.as<int32_t>(), device, run.counts.data());
@@ -753,11 +747,7 @@ class NormFamily : public Family {
     Run run;
     run.names = norm_buffer_name;
     run.result = initial_;
-    std::vector<void*> host(kNumNormBuffers, nullptr);
-    for (int id = 0; id < kNumNormBuffers; ++id) {
-      if (!run.result[id].empty()) host[id] = run.result[id].data();
-    }
-    const NormViews v = norm_views(case_, host, Device{});
+    const NormViews v = norm_views(case_, host_pointers(&run), Device{});
     ref::rmsnorm_quant(v.q);  // without a weight (the group quant) it only quantizes
     if (case_.config->op == NormOp::kDual) {
       RmsNormQuantParams kv;  // no quant: it only normalizes, into normed_out
