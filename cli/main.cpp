@@ -36,8 +36,9 @@ int run(int argc, char** argv) {
   check
       ->add_option("--ops", check_options.ops,
                    "The ops to test: mla_rope_cache (the fused op), rmsnorm_quant (with "
-                   "mla_rmsnorm_quant and per_token_group_quant_fp8), or all")
-      ->check(CLI::IsMember({"mla_rope_cache", "rmsnorm_quant", "all"}))
+                   "mla_rmsnorm_quant and per_token_group_quant_fp8), gather "
+                   "(gather_cache_slots and gather_cache_sequences), or all")
+      ->check(CLI::IsMember({"mla_rope_cache", "rmsnorm_quant", "gather", "all"}))
       ->capture_default_str();
   check->add_flag("-v,--verbose", check_options.verbose, "One line per case");
   check

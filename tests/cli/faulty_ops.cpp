@@ -6,8 +6,9 @@
 //
 //   MLAKV_FAULT=<op>[@cuda]:<what>[:last]
 //     op    mla_rope_cache, concat_and_cache_mla, decode_q_concat, rotary_embedding, rms_norm,
-//           rmsnorm_quant, per_token_group_quant_fp8 (the library), ref.mla_rope_cache,
-//           ref.rmsnorm_quant (the host reference)
+//           rmsnorm_quant, mla_rmsnorm_quant, per_token_group_quant_fp8, gather_cache_slots,
+//           gather_cache_sequences (the library), ref.mla_rope_cache, ref.rmsnorm_quant,
+//           ref.gather_cache_slots (the host reference)
 //     what  a buffer of the op's params (named as in its struct; mla_rmsnorm_quant: kv_c and
 //           kv_c_out for its kv half, else its q half's names): one byte of it is flipped after the
 //           op ran (its first byte, or its last with `:last`); `counter`: error counter 0 gains
@@ -232,6 +233,14 @@ void corrupt(const char* op, const mlakv::MlaRmsNormQuantParams& p) {
   corrupt(op, p.q);
 }
 
+// The read-back ops: `out`, or `counter`.
+template <typename Params>
+void corrupt_gather(const char* op, const Params& p, int32_t* error_counts) {
+  if (!faulting(op)) return;
+  if (fault().what == "counter") return bump_counter(error_counts);
+  flip_named(op, {{"out", &p.out}});
+}
+
 }  // namespace
 
 // The wrapped symbols: `--wrap=S` sends the tool's calls of S to __wrap_S; __real_S is the op.
@@ -267,6 +276,13 @@ MLAKV_FAULT_WRAP(
     mlakv::PerTokenGroupQuantParams, "per_token_group_quant_fp8",
     corrupt_one("per_token_group_quant_fp8", "scales", p.quant.scales))
 
+MLAKV_FAULT_WRAP(_ZN5mlakv18gather_cache_slotsERKNS_22GatherCacheSlotsParamsERKNS_7ContextE,
+                 mlakv::GatherCacheSlotsParams, "gather_cache_slots",
+                 corrupt_gather("gather_cache_slots", p, ctx.error_counts))
+MLAKV_FAULT_WRAP(_ZN5mlakv22gather_cache_sequencesERKNS_26GatherCacheSequencesParamsERKNS_7ContextE,
+                 mlakv::GatherCacheSequencesParams, "gather_cache_sequences",
+                 corrupt_gather("gather_cache_sequences", p, ctx.error_counts))
+
 #undef MLAKV_FAULT_WRAP
 
 // The host reference (tests/reference): its outputs are what the tool compares against.
@@ -287,6 +303,16 @@ void __wrap__ZN5mlakv3ref13rmsnorm_quantERKNS_18RmsNormQuantParamsE(
   if (before("ref.rmsnorm_quant"))
     __real__ZN5mlakv3ref13rmsnorm_quantERKNS_18RmsNormQuantParamsE(p);
   corrupt("ref.rmsnorm_quant", p);
+}
+
+void __real__ZN5mlakv3ref18gather_cache_slotsERKNS_22GatherCacheSlotsParamsEPi(
+    const mlakv::GatherCacheSlotsParams&, int32_t*);
+void __wrap__ZN5mlakv3ref18gather_cache_slotsERKNS_22GatherCacheSlotsParamsEPi(
+    const mlakv::GatherCacheSlotsParams& p, int32_t* error_counts) {
+  if (before("ref.gather_cache_slots")) {
+    __real__ZN5mlakv3ref18gather_cache_slotsERKNS_22GatherCacheSlotsParamsEPi(p, error_counts);
+  }
+  corrupt_gather("ref.gather_cache_slots", p, error_counts);
 }
 
 }  // extern "C"

@@ -1,0 +1,418 @@
+// mlakv CLI: `mlakv check`'s fused-op family (check.h): mla_rope_cache over model configs, every
+// cache format, random T / Td / layouts / padding / bad slots and positions / optional outputs.
+#include <algorithm>
+#include <cstring>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "check.h"
+#include "mlakv/mlakv.h"
+#include "reference/reference.h"
+#include "util.h"
+
+namespace mlakv {
+namespace cli {
+namespace check {
+namespace {
+
+struct ModelConfig {
+  const char* name;
+  int64_t H, L, R, P;
+};
+
+const std::vector<ModelConfig>& model_configs() {
+  static const std::vector<ModelConfig> configs = {
+      {"DeepSeek-V3 H128", 128, 512, 64, 128}, {"DeepSeek-V3 TP8 H16", 16, 512, 64, 128},
+      {"Kimi-K2 H64", 64, 512, 64, 128},       {"DeepSeek-V2-Lite H16", 16, 512, 64, 128},
+      {"MiniCPM3 L256 R32", 40, 256, 32, 64},
+  };
+  return configs;
+}
+
+const CacheFormat kAllFormats[] = {CacheFormat::kBFloat16,   CacheFormat::kFloat16,
+                                   CacheFormat::kFloat32,    CacheFormat::kFloat8E4M3,
+                                   CacheFormat::kFloat8E5M2, CacheFormat::kFloat8DsMla};
+
+// Every buffer a case may use. Views are built over these for the reference (host copies) and
+// for each backend (device copies) with identical geometry.
+enum BufferId : int {
+  kPositions,
+  kSlots,
+  kTable,
+  kKvC,  // kv_c, and k_pe too when they share one row ([kv_c | k_pe], as kv_a_proj writes them)
+  kKPe,
+  kNormWeight,
+  kCache,
+  kCacheRope,
+  kCacheScale,
+  kKPeOut,
+  kKvCOut,
+  kQPe,
+  kQlNope,
+  kQOut,
+  kQScale,
+  kQ,
+  kQPrefillOut,
+  kTdDevice,
+  kNumBuffers
+};
+
+const char* buffer_name(int id) {
+  static const char* names[kNumBuffers] = {
+      "positions",     "slot_mapping",   "cos_sin_cache", "kv_c",
+      "k_pe",          "kv_norm_weight", "kv_cache",      "kv_cache (rope part)",
+      "cache scale",   "k_pe_out",       "kv_c_out",      "q_pe",
+      "ql_nope",       "q_out",          "q_scale",       "q",
+      "q_prefill_out", "Td (device)"};
+  return names[id];
+}
+
+struct Case {
+  const ModelConfig* model = nullptr;
+  uint64_t seed = 0;
+  int64_t H = 0, L = 0, R = 0, P = 0;
+  int64_t T = 0, Td = 0, pad_rows = 0;
+  DType model_dtype = DType::kBFloat16;
+  DType index_dtype = DType::kInt64;
+  DType table_dtype = DType::kFloat32;
+  int64_t max_pos = 0, table_row_stride = 0;
+  RopeStyle rope_style = RopeStyle::kGptJ;
+  CacheFormat format = CacheFormat::kBFloat16;
+  int64_t block_size = 0, num_blocks = 0;
+  bool split_cache = false;
+  int64_t token_pad_bytes = 0;  // extra bytes after every cache entry (combined layout)
+  bool cache_scale = false;     // per-tensor fp8 with a scale pointer
+  bool pow2 = false;
+  bool joint_kv = false;  // kv_c and k_pe in one [rows, L + R + 8] buffer
+  bool rms_norm = false;
+  Alias k_pe_out = Alias::kNone;
+  Alias kv_c_out = Alias::kNone;
+  bool decode_side = false;  // q_out present
+  DType q_out_dtype = DType::kBFloat16;
+  bool ql_nope = true;  // false: ql_nope absent, the nope part already in q_out
+  bool q_scale = false;
+  bool prefill_side = false;  // q present
+  bool q_prefill_out = false;
+  bool device_td = false;
+  int32_t device_td_value = 0;
+  std::vector<int64_t> positions, slots;  // T + pad_rows values each
+
+  int64_t rows() const { return T + pad_rows; }
+  // Rows of the decode tensors: Td (+ padding), or T with a device Td.
+  int64_t decode_rows() const { return (device_td ? T : Td) + pad_rows; }
+  size_t model_bytes() const { return dtype_size(model_dtype); }
+  int64_t kv_row() const { return joint_kv ? L + R + 8 : L; }
+
+  std::string describe() const {
+    std::ostringstream os;
+    os << "seed " << seed << ": T " << T << " Td " << (device_td ? "device " : "") << Td
+       << (device_td && device_td_value != Td ? "(given " + std::to_string(device_td_value) + ")"
+                                              : "")
+       << " pad " << pad_rows << " " << dtype_name(model_dtype) << " cache "
+       << cache_format_name(format) << (split_cache ? " split" : "") << " bs " << block_size
+       << " blocks " << num_blocks << (cache_scale ? " scaled" : "") << (pow2 ? " pow2" : "") << " "
+       << rope_style_name(rope_style) << " table " << dtype_name(table_dtype)
+       << (table_row_stride != R ? " strided" : "") << " idx " << dtype_name(index_dtype)
+       << (rms_norm ? " rmsnorm" : "") << (joint_kv ? " joint-kv" : "");
+    // The rows the op must skip or clamp and count (padding rows excluded: never read).
+    int64_t padding_slots = 0, slots_past = 0, positions_clamped = 0;
+    for (int64_t t = 0; t < T; ++t) {
+      padding_slots += slots[t] < 0 ? 1 : 0;
+      slots_past += slots[t] >= num_blocks * block_size ? 1 : 0;
+      positions_clamped += positions[t] < 0 || positions[t] >= max_pos ? 1 : 0;
+    }
+    if (padding_slots > 0) os << " " << padding_slots << " padding slots";
+    if (slots_past > 0) os << " " << slots_past << " slots past the cache";
+    if (positions_clamped > 0) os << " " << positions_clamped << " positions clamped";
+    if (k_pe_out != Alias::kNone)
+      os << (k_pe_out == Alias::kInPlace ? " k_pe_out=k_pe" : " k_pe_out");
+    if (kv_c_out != Alias::kNone)
+      os << (kv_c_out == Alias::kInPlace ? " kv_c_out=kv_c" : " kv_c_out");
+    if (decode_side) {
+      os << " q_out " << dtype_name(q_out_dtype) << (ql_nope ? "" : " (nope in place)")
+         << (q_scale ? " q_scale" : "");
+    }
+    if (prefill_side) os << " q" << (q_prefill_out ? " -> q_prefill_out" : " in place");
+    return os.str();
+  }
+};
+
+Case make_case(const ModelConfig& model, uint64_t seed, int format_index) {
+  Rng rng = case_rng(seed, model.name, static_cast<uint64_t>(format_index));
+  Case c;
+  c.model = &model;
+  c.seed = seed;
+  c.H = model.H;
+  c.L = model.L;
+  c.R = model.R;
+  c.P = model.P;
+  c.format = kAllFormats[format_index];
+  const double dtype_roll = rng.uniform(0.0f, 1.0f);
+  c.model_dtype =
+      dtype_roll < 0.6 ? DType::kBFloat16 : (dtype_roll < 0.8 ? DType::kFloat16 : DType::kFloat32);
+  // fp8_ds_mla stores the rope part as bf16: it takes a bf16 model only.
+  if (c.format == CacheFormat::kFloat8DsMla) c.model_dtype = DType::kBFloat16;
+  c.T = rng.chance(0.15) ? rng.between(65, 300) : rng.between(1, 64);
+  c.pad_rows = rng.chance(0.5) ? rng.between(1, 4) : 0;
+  c.index_dtype = rng.chance(0.5) ? DType::kInt64 : DType::kInt32;
+  const double table_roll = rng.uniform(0.0f, 1.0f);
+  c.table_dtype =
+      table_roll < 0.7 ? DType::kFloat32 : (table_roll < 0.85 ? DType::kBFloat16 : DType::kFloat16);
+  c.max_pos = rng.between(c.T + 1, 4096);
+  c.table_row_stride = c.R + (rng.chance(0.2) ? 8 : 0);
+  c.rope_style = rng.chance(0.5) ? RopeStyle::kGptJ : RopeStyle::kNeox;
+  const int64_t block_sizes[] = {1, 2, 3, 16, 17, 64, 128};
+  c.block_size = block_sizes[rng.below(7)];
+  c.num_blocks = (c.T + c.T / 2 + c.block_size - 1) / c.block_size + rng.between(1, 3);
+  c.split_cache = c.format != CacheFormat::kFloat8DsMla && rng.chance(0.25);
+  c.token_pad_bytes = !c.split_cache && rng.chance(0.2) ? 32 : 0;
+  c.cache_scale = cache_is_per_tensor_fp8(c.format) && rng.chance(0.85);
+  c.pow2 = c.format == CacheFormat::kFloat8DsMla && rng.chance(0.5);
+  c.joint_kv = rng.chance(0.3);
+  c.rms_norm = rng.chance(0.5);
+  const Alias aliases[] = {Alias::kNone, Alias::kSeparate, Alias::kInPlace};
+  c.k_pe_out = aliases[rng.below(3)];
+  c.kv_c_out = aliases[rng.below(3)];
+
+  c.device_td = rng.chance(0.2);
+  const double td_roll = rng.uniform(0.0f, 1.0f);
+  c.Td = td_roll < 0.3 ? c.T : (td_roll < 0.45 ? 0 : rng.between(0, c.T));
+  c.device_td_value = static_cast<int32_t>(c.Td);
+  if (c.device_td && rng.chance(0.15)) {
+    // An out-of-range device Td is clamped to [0, T] and counted.
+    c.device_td_value = rng.chance(0.5) ? static_cast<int32_t>(c.T + 3) : -2;
+    c.Td = c.device_td_value < 0 ? 0 : c.T;
+  }
+  c.decode_side = c.device_td || c.Td > 0 || rng.chance(0.2);
+  if (c.decode_side) {
+    const double q_roll = rng.uniform(0.0f, 1.0f);
+    c.q_out_dtype =
+        q_roll < 0.65 ? c.model_dtype : (q_roll < 0.85 ? DType::kFloat8E4M3 : DType::kFloat8E5M2);
+    c.ql_nope = is_float8(c.q_out_dtype) || rng.chance(0.75);
+    c.q_scale = is_float8(c.q_out_dtype) && rng.chance(0.85);
+  }
+  c.prefill_side = c.device_td || c.Td < c.T || rng.chance(0.2);
+  if (c.prefill_side) c.q_prefill_out = rng.chance(0.4);
+
+  // Positions: random, a few outside [0, max_pos) (clamped and counted). Slots: distinct, a few
+  // padding (-1) and a few past the cache (skipped and counted); padding rows get wild values the
+  // op must never read.
+  const int64_t num_slots = c.num_blocks * c.block_size;
+  std::vector<int64_t> distinct = random_distinct_slots(c.T, num_slots, rng);
+  for (int64_t t = 0; t < c.rows(); ++t) {
+    if (t >= c.T) {
+      c.positions.push_back(-1000000 - t);
+      c.slots.push_back(num_slots * 100 + t);
+      continue;
+    }
+    int64_t pos = rng.below(c.max_pos);
+    if (rng.chance(0.03)) pos = rng.chance(0.5) ? -1 - rng.below(5) : c.max_pos + rng.below(5);
+    c.positions.push_back(pos);
+    int64_t slot = distinct[t];
+    if (rng.chance(0.08)) slot = -1;
+    if (rng.chance(0.04)) slot = num_slots + rng.below(100);
+    c.slots.push_back(slot);
+  }
+  return c;
+}
+
+int64_t cache_entry_stride(const Case& c) {
+  if (c.split_cache) return c.L * static_cast<int64_t>(dtype_size(cache_latent_dtype(c.format)));
+  return cache_entry_bytes(c.format, c.L, c.R) + c.token_pad_bytes;
+}
+
+// Bytes and initial contents of every buffer of a case, by BufferId (empty: not used).
+std::vector<std::vector<uint8_t>> initial_buffers(const Case& c) {
+  Rng rng(c.seed ^ 0xda7a5eedull);
+  std::vector<std::vector<uint8_t>> b(kNumBuffers);
+  const DType m = c.model_dtype;
+  const size_t mb = c.model_bytes();
+  b[kPositions] = index_bytes(c.positions, c.index_dtype);
+  b[kSlots] = index_bytes(c.slots, c.index_dtype);
+  {
+    const std::vector<uint8_t> table = rope_table_bytes(c.max_pos, c.R, c.table_dtype);
+    const size_t tb = dtype_size(c.table_dtype);
+    std::vector<uint8_t> strided =
+        random_values(c.table_dtype, c.max_pos * c.table_row_stride, 1.0f, rng);
+    for (int64_t p = 0; p < c.max_pos; ++p) {
+      std::memcpy(strided.data() + p * c.table_row_stride * tb, table.data() + p * c.R * tb,
+                  c.R * tb);
+    }
+    b[kTable] = std::move(strided);
+  }
+  b[kKvC] = random_values(m, c.rows() * c.kv_row(), 2.0f, rng);
+  if (!c.joint_kv) b[kKPe] = random_values(m, c.rows() * c.R, 2.0f, rng);
+  if (c.rms_norm) b[kNormWeight] = random_values(m, c.L, 1.5f, rng);
+  const int64_t entry_stride = cache_entry_stride(c);
+  b[kCache].assign(static_cast<size_t>(c.num_blocks * c.block_size * entry_stride), kSentinelByte);
+  if (c.split_cache) {
+    b[kCacheRope].assign(static_cast<size_t>(c.num_blocks * c.block_size * c.R) *
+                             dtype_size(cache_rope_dtype(c.format)),
+                         kSentinelByte);
+  }
+  if (c.cache_scale) {
+    const float scale = rng.uniform(0.004f, 0.05f);
+    b[kCacheScale].resize(4);
+    std::memcpy(b[kCacheScale].data(), &scale, 4);
+  }
+  if (c.k_pe_out == Alias::kSeparate) b[kKPeOut].assign(c.rows() * c.R * mb, kPoisonByte);
+  if (c.kv_c_out == Alias::kSeparate) b[kKvCOut].assign(c.rows() * c.L * mb, kPoisonByte);
+  if (c.decode_side) {
+    const int64_t dr = c.decode_rows();
+    b[kQPe] = random_values(m, dr * c.H * c.R, 2.0f, rng);
+    if (c.ql_nope) b[kQlNope] = random_values(m, dr * c.H * c.L, 2.0f, rng);
+    // Without ql_nope the nope part is already in q_out (the absorb GEMM wrote it): random data
+    // the op must leave alone. Otherwise q_out is poisoned.
+    if (c.ql_nope) {
+      b[kQOut].assign(dr * c.H * (c.L + c.R) * dtype_size(c.q_out_dtype), kPoisonByte);
+    } else {
+      b[kQOut] = random_values(c.q_out_dtype, dr * c.H * (c.L + c.R), 2.0f, rng);
+    }
+    if (c.q_scale) {
+      const float scale = rng.uniform(0.004f, 0.05f);
+      b[kQScale].resize(4);
+      std::memcpy(b[kQScale].data(), &scale, 4);
+    }
+  }
+  if (c.prefill_side) {
+    b[kQ] = random_values(m, c.rows() * c.H * (c.P + c.R), 2.0f, rng);
+    if (c.q_prefill_out) {
+      b[kQPrefillOut].assign(c.rows() * c.H * (c.P + c.R) * mb, kPoisonByte);
+    }
+  }
+  // A decode side of zero rows (Td = 0, no padding) still gets a real, never-touched allocation.
+  for (int id : {kQPe, kQlNope, kQOut}) {
+    const bool used = c.decode_side && (id != kQlNope || c.ql_nope);
+    if (used && b[id].empty()) b[id].assign(64, kPoisonByte);
+  }
+  if (c.device_td) {
+    b[kTdDevice].resize(4);
+    std::memcpy(b[kTdDevice].data(), &c.device_td_value, 4);
+  }
+  return b;
+}
+
+// The op's params over one copy of the buffers (`base[id]`, on `device`).
+MlaRopeCacheParams build_params(const Case& c, const std::vector<void*>& base, Device device) {
+  const DType m = c.model_dtype;
+  const int64_t rows = c.rows();
+  MlaRopeCacheParams p;
+  p.num_tokens = c.T;
+  p.num_decode_tokens = c.device_td ? 0 : c.Td;
+  if (c.device_td) p.num_decode_tokens_device = static_cast<const int32_t*>(base[kTdDevice]);
+  p.positions = make_view(base[kPositions], c.index_dtype, {rows}, device);
+  p.slot_mapping = make_view(base[kSlots], c.index_dtype, {rows}, device);
+  p.cos_sin_cache = make_strided_view(base[kTable], c.table_dtype, {c.max_pos, c.R},
+                                      {c.table_row_stride, 1}, device);
+  p.rope_style = c.rope_style;
+  if (c.joint_kv) {
+    p.kv_c = make_strided_view(base[kKvC], m, {rows, c.L}, {c.kv_row(), 1}, device);
+    p.k_pe = make_strided_view(static_cast<uint8_t*>(base[kKvC]) + c.L * c.model_bytes(), m,
+                               {rows, c.R}, {c.kv_row(), 1}, device);
+  } else {
+    p.kv_c = make_view(base[kKvC], m, {rows, c.L}, device);
+    p.k_pe = make_view(base[kKPe], m, {rows, c.R}, device);
+  }
+  if (c.rms_norm) {
+    p.kv_norm_weight = make_view(base[kNormWeight], m, {c.L}, device);
+    p.kv_norm_eps = 1e-6f;
+  }
+  if (c.split_cache) {
+    p.kv_cache = make_split_cache_view(base[kCache], base[kCacheRope], c.format, c.num_blocks,
+                                       c.block_size, c.L, c.R, device);
+  } else {
+    p.kv_cache =
+        make_cache_view(base[kCache], c.format, c.num_blocks, c.block_size, c.L, c.R, device);
+    p.kv_cache.stride_token_bytes = cache_entry_stride(c);
+    p.kv_cache.stride_block_bytes = cache_entry_stride(c) * c.block_size;
+  }
+  if (c.cache_scale) p.kv_cache.scale = static_cast<const float*>(base[kCacheScale]);
+  p.kv_cache.ds_mla_pow2_scale = c.pow2;
+  if (c.k_pe_out == Alias::kSeparate) p.k_pe_out = make_view(base[kKPeOut], m, {rows, c.R}, device);
+  if (c.k_pe_out == Alias::kInPlace) p.k_pe_out = p.k_pe;
+  if (c.kv_c_out == Alias::kSeparate) p.kv_c_out = make_view(base[kKvCOut], m, {rows, c.L}, device);
+  if (c.kv_c_out == Alias::kInPlace) p.kv_c_out = p.kv_c;
+  if (c.decode_side) {
+    const int64_t dr = c.decode_rows();
+    p.q_pe = make_view(base[kQPe], m, {dr, c.H, c.R}, device);
+    if (c.ql_nope) p.ql_nope = make_view(base[kQlNope], m, {dr, c.H, c.L}, device);
+    p.q_out = make_view(base[kQOut], c.q_out_dtype, {dr, c.H, c.L + c.R}, device);
+    if (c.q_scale) p.q_scale = static_cast<const float*>(base[kQScale]);
+  }
+  if (c.prefill_side) {
+    p.q = make_view(base[kQ], m, {rows, c.H, c.P + c.R}, device);
+    if (c.q_prefill_out) {
+      p.q_prefill_out = make_view(base[kQPrefillOut], m, {rows, c.H, c.P + c.R}, device);
+    }
+  }
+  return p;
+}
+
+// mla_rope_cache: the model configs, the cache format cycling by seed.
+class FusedFamily : public Family {
+ public:
+  int num_configs() const override { return static_cast<int>(model_configs().size()); }
+  const char* config_name(int config) const override { return model_configs()[config].name; }
+
+  void prepare(int config, int i, uint64_t seed) override {
+    const ModelConfig& model = model_configs()[config];
+    if (i == 0) formats_seen_ = 0;
+    // Cycle through the cache formats (fp8_ds_mla only where L = 512, R = 64).
+    int format_index = i % 6;
+    if (format_index == 5 && (model.L != kDsMlaLatentDim || model.R != kDsMlaRopeDim)) {
+      format_index = static_cast<int>(seed % 5);
+    }
+    formats_seen_ |= 1 << format_index;
+    case_ = make_case(model, seed, format_index);
+    initial_ = initial_buffers(case_);
+  }
+  std::string describe() const override { return case_.describe(); }
+
+  Run reference() const override {
+    Run run = empty_run();
+    run.result = initial_;
+    ref::mla_rope_cache(build_params(case_, host_pointers(&run), Device{}), run.counts.data());
+    return run;
+  }
+
+  Run run(Device device) const override {
+    const DeviceCopies copies(initial_, device);
+    Buffer counts(device, kNumErrorCounters * sizeof(int32_t));
+    reset_error_counts(counts.as<int32_t>(), device);
+    Context ctx;
+    ctx.error_counts = counts.as<int32_t>();
+    mla_rope_cache(build_params(case_, copies.base, device), ctx);
+    device_synchronize(device);
+    Run run = empty_run();
+    read_error_counts(counts.as<int32_t>(), device, run.counts.data());
+    copies.read_back(initial_, &run);
+    return run;
+  }
+
+  std::string config_note(int /*config*/) const override {
+    int formats = 0;
+    for (int f = 0; f < 6; ++f) formats += (formats_seen_ >> f) & 1;
+    return "(" + std::to_string(formats) + " cache formats)";
+  }
+
+ private:
+  static Run empty_run() {
+    Run run;
+    run.names = buffer_name;
+    return run;
+  }
+
+  Case case_;
+  std::vector<std::vector<uint8_t>> initial_;  // by BufferId
+  int formats_seen_ = 0;
+};
+
+}  // namespace
+
+std::unique_ptr<Family> make_fused_family() { return std::make_unique<FusedFamily>(); }
+
+}  // namespace check
+}  // namespace cli
+}  // namespace mlakv

@@ -1,0 +1,374 @@
+// mlakv CLI: `mlakv check`'s gather family (check.h): the cache read-back, gather_cache_slots and
+// gather_cache_sequences, over every cache format and layout, from a cache whose every entry holds
+// random values (fp8_ds_mla: random tile scales too).
+#include <algorithm>
+#include <cstring>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "check.h"
+#include "mlakv/mlakv.h"
+#include "reference/reference.h"
+#include "util.h"
+
+namespace mlakv {
+namespace cli {
+namespace check {
+namespace {
+
+enum class GatherOp { kSlots, kSequences, kEither };
+
+struct GatherConfig {
+  const char* name;
+  GatherOp op;
+  int64_t L, R;  // 0: random
+};
+
+const std::vector<GatherConfig>& gather_configs() {
+  static const std::vector<GatherConfig> configs = {
+      {"gather_cache_slots L512 R64", GatherOp::kSlots, 512, 64},
+      {"gather_cache_sequences L512 R64", GatherOp::kSequences, 512, 64},
+      {"gather_cache_slots L256 R32", GatherOp::kSlots, 256, 32},
+      {"gather_cache_sequences L256 R32", GatherOp::kSequences, 256, 32},
+      {"gather either, any L R", GatherOp::kEither, 0, 0},
+  };
+  return configs;
+}
+
+const CacheFormat kGatherFormats[] = {CacheFormat::kBFloat16,   CacheFormat::kFloat16,
+                                      CacheFormat::kFloat32,    CacheFormat::kFloat8E4M3,
+                                      CacheFormat::kFloat8E5M2, CacheFormat::kFloat8DsMla};
+
+enum GatherBufferId : int {
+  kGCache,
+  kGCacheRope,
+  kGCacheScale,
+  kGSlots,
+  kGBlockTable,
+  kGCuSeqLens,
+  kGOut,
+  kNumGatherBuffers
+};
+
+const char* gather_buffer_name(int id) {
+  static const char* names[kNumGatherBuffers] = {"kv_cache", "kv_cache (rope part)", "cache scale",
+                                                 "slots",    "block_table",          "cu_seq_lens",
+                                                 "out"};
+  return names[id];
+}
+
+struct GatherCase {
+  const GatherConfig* config = nullptr;
+  uint64_t seed = 0;
+  bool sequences = false;
+  int64_t L = 0, R = 0;
+  CacheFormat format = CacheFormat::kBFloat16;
+  int64_t block_size = 0, num_blocks = 0;
+  bool split_cache = false;
+  int64_t token_pad_bytes = 0;  // extra bytes after every cache entry (combined layout)
+  bool cache_scale = false;     // per-tensor fp8 with a scale pointer
+  DType out_dtype = DType::kBFloat16;
+  int64_t out_row_pad = 0;  // out's row stride is L + R + out_row_pad
+  int64_t out_rows = 0;     // out.shape[0]
+  // gather_cache_slots: N slots (and pad_rows more that the op never reads).
+  int64_t N = 0, pad_rows = 0;
+  DType index_dtype = DType::kInt64;
+  std::vector<int64_t> slots;
+  // gather_cache_sequences: B sequences, a [B + pad_rows, max_blocks] table whose rows lie
+  // table_row_stride apart, cu_seq_lens [B + 1].
+  int64_t B = 0, max_blocks = 0, table_row_stride = 0;
+  std::vector<int64_t> block_table, cu_seq_lens;
+
+  int64_t num_slots() const { return num_blocks * block_size; }
+  int64_t entry_stride() const {
+    if (split_cache) return L * static_cast<int64_t>(dtype_size(cache_latent_dtype(format)));
+    return cache_entry_bytes(format, L, R) + token_pad_bytes;
+  }
+
+  std::string describe() const {
+    std::ostringstream os;
+    os << "seed " << seed << ": " << (sequences ? "sequences B " : "slots N ")
+       << (sequences ? B : N) << " out rows " << out_rows << " L " << L << " R " << R << " cache "
+       << cache_format_name(format) << (split_cache ? " split" : "")
+       << (token_pad_bytes > 0 ? " padded" : "") << " bs " << block_size << " blocks " << num_blocks
+       << (cache_scale ? " scaled" : "") << " out " << dtype_name(out_dtype)
+       << (out_row_pad > 0 ? " (row pad " + std::to_string(out_row_pad) + ")" : "");
+    if (!sequences) {
+      int64_t padding = 0, past = 0;
+      for (int64_t i = 0; i < N; ++i) {
+        padding += slots[i] < 0 ? 1 : 0;
+        past += slots[i] >= num_slots() ? 1 : 0;
+      }
+      os << " idx " << dtype_name(index_dtype) << " pad " << pad_rows;
+      if (padding > 0) os << " " << padding << " padding slots";
+      if (past > 0) os << " " << past << " slots past the cache";
+      return os.str();
+    }
+    int64_t bad_ids = 0, past_row = 0;
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t len = cu_seq_lens[b + 1] - cu_seq_lens[b];
+      const int64_t used = (len + block_size - 1) / block_size;
+      past_row += std::max<int64_t>(0, len - max_blocks * block_size);
+      for (int64_t j = 0; j < std::min(used, max_blocks); ++j) {
+        const int64_t id = block_table[b * table_row_stride + j];
+        bad_ids += id < 0 || id >= num_blocks ? 1 : 0;
+      }
+    }
+    os << " table cols " << max_blocks << (table_row_stride != max_blocks ? " strided" : "")
+       << " tokens " << cu_seq_lens[B];
+    if (bad_ids > 0) os << " " << bad_ids << " bad block ids";
+    if (past_row > 0) os << " " << past_row << " tokens past their table row";
+    return os.str();
+  }
+};
+
+GatherCase make_gather_case(const GatherConfig& config, uint64_t seed, int format_index) {
+  Rng rng = case_rng(seed, config.name, static_cast<uint64_t>(format_index));
+  GatherCase c;
+  c.config = &config;
+  c.seed = seed;
+  c.sequences =
+      config.op == GatherOp::kEither ? rng.chance(0.5) : config.op == GatherOp::kSequences;
+  c.L = config.L > 0 ? config.L : 16 * rng.between(1, 64);
+  c.R = config.R > 0 ? config.R : 2 * rng.between(1, 64);
+  if (c.L != kDsMlaLatentDim || c.R != kDsMlaRopeDim) {
+    if (format_index == 5) format_index = static_cast<int>(seed % 5);  // fp8_ds_mla: 512 + 64
+  }
+  c.format = kGatherFormats[format_index];
+  const int64_t block_sizes[] = {1, 2, 3, 16, 17, 64, 128};
+  c.block_size = block_sizes[rng.below(7)];
+  c.split_cache = c.format != CacheFormat::kFloat8DsMla && rng.chance(0.25);
+  c.token_pad_bytes = !c.split_cache && rng.chance(0.2) ? 32 : 0;
+  c.cache_scale = cache_is_per_tensor_fp8(c.format) && rng.chance(0.85);
+  c.out_dtype = rng.chance(0.6) ? DType::kBFloat16 : DType::kFloat32;
+  const double pad_roll = rng.uniform(0.0f, 1.0f);
+  c.out_row_pad = pad_roll < 0.6 ? 0 : (pad_roll < 0.8 ? 8 : rng.between(1, 7));
+
+  if (!c.sequences) {
+    c.N = rng.chance(0.15) ? rng.between(65, 600) : rng.between(1, 64);
+    c.pad_rows = rng.chance(0.5) ? rng.between(1, 4) : 0;
+    c.index_dtype = rng.chance(0.5) ? DType::kInt64 : DType::kInt32;
+    c.num_blocks = (c.N + c.block_size - 1) / c.block_size + rng.between(1, 3);
+    // Slots anywhere in the cache (repeats allowed: a read-back), a few padding (-1) and a few
+    // past the cache (zeros, counted); padding rows get wild values the op must never read.
+    for (int64_t i = 0; i < c.N + c.pad_rows; ++i) {
+      int64_t slot = rng.below(c.num_slots());
+      if (i >= c.N) {
+        slot = c.num_slots() * 100 + i;
+      } else if (rng.chance(0.08)) {
+        slot = -1 - rng.below(3);
+      } else if (rng.chance(0.04)) {
+        slot = c.num_slots() + rng.below(100);
+      }
+      c.slots.push_back(slot);
+    }
+    // out: N rows, sometimes more (left alone).
+    c.out_rows = c.N + (rng.chance(0.3) ? rng.between(1, 3) : 0);
+    return c;
+  }
+
+  c.B = rng.chance(0.2) ? rng.between(9, 40) : rng.between(1, 8);
+  const int64_t max_len = rng.chance(0.2) ? 600 : 150;
+  c.cu_seq_lens.push_back(0);
+  int64_t longest = 0;
+  for (int64_t b = 0; b < c.B; ++b) {
+    const int64_t len = rng.chance(0.1) ? 0 : rng.between(1, max_len);
+    longest = std::max(longest, len);
+    c.cu_seq_lens.push_back(c.cu_seq_lens.back() + len);
+  }
+  // The table: as many columns as the longest sequence needs, sometimes more (never read),
+  // sometimes fewer (the tokens past a row give zeros and are counted); its rows sometimes a
+  // column view of a wider table.
+  c.max_blocks = std::max<int64_t>(1, (longest + c.block_size - 1) / c.block_size);
+  const double cols_roll = rng.uniform(0.0f, 1.0f);
+  if (cols_roll < 0.2) c.max_blocks += rng.between(1, 3);
+  if (cols_roll > 0.75 && c.max_blocks > 1) c.max_blocks -= 1;
+  c.table_row_stride = c.max_blocks + (rng.chance(0.3) ? rng.between(1, 4) : 0);
+  c.pad_rows = rng.chance(0.5) ? rng.between(1, 3) : 0;
+  c.num_blocks = rng.between(std::max<int64_t>(2, c.max_blocks / 2), c.max_blocks * 2 + 4);
+  for (int64_t b = 0; b < c.B + c.pad_rows; ++b) {
+    for (int64_t j = 0; j < c.table_row_stride; ++j) {
+      int64_t id = rng.below(c.num_blocks);
+      if (b < c.B && j < c.max_blocks && rng.chance(0.03)) {
+        id = rng.chance(0.5) ? -1 - rng.below(3) : c.num_blocks + rng.below(5);
+      }
+      c.block_table.push_back(id);
+    }
+  }
+  // out: all the tokens, sometimes fewer rows (the rest never written) or more (left alone).
+  const int64_t total = c.cu_seq_lens.back();
+  const double rows_roll = rng.uniform(0.0f, 1.0f);
+  c.out_rows = rows_roll < 0.15 && total > 1 ? rng.between(1, total - 1)
+               : rows_roll < 0.3             ? total + rng.between(1, 3)
+                                             : total;
+  c.out_rows = std::max<int64_t>(c.out_rows, 1);
+  return c;
+}
+
+KVCacheView cache_view(const GatherCase& c, const std::vector<void*>& base, Device device) {
+  KVCacheView v;
+  if (c.split_cache) {
+    v = make_split_cache_view(base[kGCache], base[kGCacheRope], c.format, c.num_blocks,
+                              c.block_size, c.L, c.R, device);
+  } else {
+    v = make_cache_view(base[kGCache], c.format, c.num_blocks, c.block_size, c.L, c.R, device);
+    v.stride_token_bytes = c.entry_stride();
+    v.stride_block_bytes = c.entry_stride() * c.block_size;
+  }
+  if (c.cache_scale) v.scale = static_cast<const float*>(base[kGCacheScale]);
+  return v;
+}
+
+std::vector<std::vector<uint8_t>> gather_initial_buffers(const GatherCase& c) {
+  Rng rng(c.seed ^ 0x9a7e5eedull);
+  std::vector<std::vector<uint8_t>> b(kNumGatherBuffers);
+  const int64_t slots = c.num_slots();
+  b[kGCache].assign(static_cast<size_t>(slots * c.entry_stride()), kSentinelByte);
+  if (c.split_cache) {
+    b[kGCacheRope].assign(static_cast<size_t>(slots * c.R) * dtype_size(cache_rope_dtype(c.format)),
+                          kSentinelByte);
+  }
+  // Every entry random: its latent part (fp8_ds_mla: then its 4 tile scales) and its rope part,
+  // placed by the reference's addressing.
+  {
+    std::vector<void*> base(kNumGatherBuffers, nullptr);
+    base[kGCache] = b[kGCache].data();
+    if (c.split_cache) base[kGCacheRope] = b[kGCacheRope].data();
+    const KVCacheView v = cache_view(c, base, Device{});
+    const DType latent = cache_latent_dtype(c.format);
+    const DType rope = cache_rope_dtype(c.format);
+    const std::vector<uint8_t> latent_values = random_values(latent, slots * c.L, 2.0f, rng);
+    const std::vector<uint8_t> rope_values = random_values(rope, slots * c.R, 2.0f, rng);
+    const size_t latent_row = static_cast<size_t>(c.L) * dtype_size(latent);
+    const size_t rope_row = static_cast<size_t>(c.R) * dtype_size(rope);
+    uint8_t* rope_base = static_cast<uint8_t*>(c.split_cache ? base[kGCacheRope] : base[kGCache]);
+    for (int64_t s = 0; s < slots; ++s) {
+      uint8_t* entry = b[kGCache].data() + ref::cache_latent_offset_bytes(v, s);
+      std::memcpy(entry, latent_values.data() + s * latent_row, latent_row);
+      if (c.format == CacheFormat::kFloat8DsMla) {
+        for (int64_t tile = 0; tile < kDsMlaNumTiles; ++tile) {
+          const float scale = rng.uniform(0.001f, 0.05f);
+          std::memcpy(entry + latent_row + tile * sizeof(float), &scale, sizeof(float));
+        }
+      }
+      std::memcpy(rope_base + ref::cache_rope_offset_bytes(v, s), rope_values.data() + s * rope_row,
+                  rope_row);
+    }
+  }
+  if (c.cache_scale) {
+    const float scale = rng.uniform(0.004f, 0.05f);
+    b[kGCacheScale].resize(4);
+    std::memcpy(b[kGCacheScale].data(), &scale, 4);
+  }
+  if (c.sequences) {
+    b[kGBlockTable] = index_bytes(c.block_table, DType::kInt32);
+    b[kGCuSeqLens] = index_bytes(c.cu_seq_lens, DType::kInt32);
+  } else {
+    b[kGSlots] = index_bytes(c.slots, c.index_dtype);
+  }
+  const int64_t row = c.L + c.R + c.out_row_pad;
+  b[kGOut].assign(static_cast<size_t>(c.out_rows * row) * dtype_size(c.out_dtype), kPoisonByte);
+  return b;
+}
+
+class GatherFamily : public Family {
+ public:
+  int num_configs() const override { return static_cast<int>(gather_configs().size()); }
+  const char* config_name(int config) const override { return gather_configs()[config].name; }
+
+  void prepare(int config, int i, uint64_t seed) override {
+    if (i == 0) formats_seen_ = 0;
+    case_ = make_gather_case(gather_configs()[config], seed, i % 6);
+    for (int f = 0; f < 6; ++f) {
+      if (kGatherFormats[f] == case_.format) formats_seen_ |= 1 << f;
+    }
+    initial_ = gather_initial_buffers(case_);
+  }
+  std::string describe() const override { return case_.describe(); }
+
+  Run reference() const override {
+    Run run = empty_run();
+    run.result = initial_;
+    const std::vector<void*> base = host_pointers(&run);
+    if (case_.sequences) {
+      ref::gather_cache_sequences(sequences_params(base, Device{}), run.counts.data());
+    } else {
+      ref::gather_cache_slots(slots_params(base, Device{}), run.counts.data());
+    }
+    return run;
+  }
+
+  Run run(Device device) const override {
+    const DeviceCopies copies(initial_, device);
+    Buffer counts(device, kNumErrorCounters * sizeof(int32_t));
+    reset_error_counts(counts.as<int32_t>(), device);
+    Context ctx;
+    ctx.error_counts = counts.as<int32_t>();
+    if (case_.sequences) {
+      gather_cache_sequences(sequences_params(copies.base, device), ctx);
+    } else {
+      gather_cache_slots(slots_params(copies.base, device), ctx);
+    }
+    device_synchronize(device);
+    Run run = empty_run();
+    read_error_counts(counts.as<int32_t>(), device, run.counts.data());
+    copies.read_back(initial_, &run);
+    return run;
+  }
+
+  std::string config_note(int /*config*/) const override {
+    int formats = 0;
+    for (int f = 0; f < 6; ++f) formats += (formats_seen_ >> f) & 1;
+    return "(" + std::to_string(formats) + " cache formats)";
+  }
+
+ private:
+  static Run empty_run() {
+    Run run;
+    run.names = gather_buffer_name;
+    return run;
+  }
+
+  TensorView out_view(const std::vector<void*>& base, Device device) const {
+    const GatherCase& c = case_;
+    return make_strided_view(base[kGOut], c.out_dtype, {c.out_rows, c.L + c.R},
+                             {c.L + c.R + c.out_row_pad, 1}, device);
+  }
+
+  GatherCacheSlotsParams slots_params(const std::vector<void*>& base, Device device) const {
+    const GatherCase& c = case_;
+    GatherCacheSlotsParams p;
+    p.num_tokens = c.N;
+    p.kv_cache = cache_view(c, base, device);
+    p.slots = make_view(base[kGSlots], c.index_dtype, {c.N + c.pad_rows}, device);
+    p.out = out_view(base, device);
+    return p;
+  }
+
+  GatherCacheSequencesParams sequences_params(const std::vector<void*>& base, Device device) const {
+    const GatherCase& c = case_;
+    GatherCacheSequencesParams p;
+    p.num_seqs = c.B;
+    p.kv_cache = cache_view(c, base, device);
+    p.block_table =
+        make_strided_view(base[kGBlockTable], DType::kInt32, {c.B + c.pad_rows, c.max_blocks},
+                          {c.table_row_stride, 1}, device);
+    p.cu_seq_lens = make_view(base[kGCuSeqLens], DType::kInt32, {c.B + 1}, device);
+    p.out = out_view(base, device);
+    return p;
+  }
+
+  GatherCase case_;
+  std::vector<std::vector<uint8_t>> initial_;  // by GatherBufferId
+  int formats_seen_ = 0;
+};
+
+}  // namespace
+
+std::unique_ptr<Family> make_gather_family() { return std::make_unique<GatherFamily>(); }
+
+}  // namespace check
+}  // namespace cli
+}  // namespace mlakv
