@@ -1,10 +1,12 @@
 // mlakv CLI: `mlakv check`. A randomized differential test of the ops, by family (--ops): the fused
 // op (mla_rope_cache, check_fused.cpp), the input norms (rmsnorm_quant, mla_rmsnorm_quant,
-// per_token_group_quant_fp8, check_norm.cpp) and the cache read-back (gather_cache_slots,
-// gather_cache_sequences, check_gather.cpp). For every named config and seed, one random case is
-// run by the host reference and by every backend; every byte of every buffer (inputs included:
-// they must stay untouched) and every error counter must match the reference, and CUDA must match
-// the CPU, RMSNorm-derived values included (docs/decisions.md: one fixed sum order).
+// per_token_group_quant_fp8, check_norm.cpp), the unfused primitives (rotary_embedding,
+// concat_and_cache_mla, decode_q_concat, rms_norm, check_unfused.cpp) and the cache read-back
+// (gather_cache_slots, gather_cache_sequences, check_gather.cpp). For every named config and seed,
+// one random case is run by the host reference and by every backend; every byte of every buffer
+// (inputs included: they must stay untouched) and every error counter must match the reference, and
+// CUDA must match the CPU, RMSNorm-derived values included (docs/decisions.md: one fixed sum
+// order).
 #include "check.h"
 
 #include <algorithm>
@@ -54,6 +56,53 @@ std::vector<void*> host_pointers(Run* run) {
     if (!run->result[id].empty()) host[id] = run->result[id].data();
   }
   return host;
+}
+
+CacheLayout CacheLayout::draw(Rng& rng, CacheFormat format, int64_t L, int64_t R,
+                              int64_t min_slots) {
+  CacheLayout c;
+  c.format = format;
+  c.L = L;
+  c.R = R;
+  const int64_t block_sizes[] = {1, 2, 3, 16, 17, 64, 128};
+  c.block_size = block_sizes[rng.below(7)];
+  c.num_blocks = (min_slots + c.block_size - 1) / c.block_size + rng.between(1, 3);
+  c.split = format != CacheFormat::kFloat8DsMla && rng.chance(0.25);
+  c.token_pad_bytes = !c.split && rng.chance(0.2) ? 32 : 0;
+  c.scaled = cache_is_per_tensor_fp8(format) && rng.chance(0.85);
+  return c;
+}
+
+int64_t CacheLayout::entry_stride() const {
+  if (split) return L * static_cast<int64_t>(dtype_size(cache_latent_dtype(format)));
+  return cache_entry_bytes(format, L, R) + token_pad_bytes;
+}
+
+size_t CacheLayout::data_bytes() const { return static_cast<size_t>(num_slots() * entry_stride()); }
+
+size_t CacheLayout::rope_bytes() const {
+  return split ? static_cast<size_t>(num_slots() * R) * dtype_size(cache_rope_dtype(format)) : 0;
+}
+
+KVCacheView CacheLayout::view(void* data, void* rope_data, const float* scale,
+                              Device device) const {
+  KVCacheView v;
+  if (split) {
+    v = make_split_cache_view(data, rope_data, format, num_blocks, block_size, L, R, device);
+  } else {
+    v = make_cache_view(data, format, num_blocks, block_size, L, R, device);
+    v.stride_token_bytes = entry_stride();
+    v.stride_block_bytes = entry_stride() * block_size;
+  }
+  if (scaled) v.scale = scale;
+  return v;
+}
+
+std::string CacheLayout::describe() const {
+  std::string s = std::string("cache ") + cache_format_name(format) + (split ? " split" : "") +
+                  (token_pad_bytes > 0 ? " padded" : "") + " bs " + std::to_string(block_size) +
+                  " blocks " + std::to_string(num_blocks) + (scaled ? " scaled" : "");
+  return s;
 }
 
 }  // namespace check
@@ -138,10 +187,10 @@ int run_check(const CheckOptions& options) {
   MLAKV_CHECK(on_cuda || options.device == 0, "check: --device: names the CUDA backend's GPU, ",
               "but no CUDA backend runs (--backend ", options.backend, ")");
   const bool cross = backends.size() == 2;
-  std::printf(
-      "mlakv check: %s, %d seeds per config, backends:",
-      options.ops == "all" ? "mla_rope_cache, rmsnorm_quant and gather" : options.ops.c_str(),
-      options.seeds);
+  std::printf("mlakv check: %s, %d seeds per config, backends:",
+              options.ops == "all" ? "mla_rope_cache, rmsnorm_quant, unfused and gather"
+                                   : options.ops.c_str(),
+              options.seeds);
   for (const auto& b : backends) std::printf(" %s", b.first.c_str());
   std::printf(" (vs host reference%s)", cross ? "; cuda also vs cpu" : "");
   if (on_cuda) std::printf("; cuda = %s", device_name(backends.back().second).c_str());
@@ -154,6 +203,7 @@ int run_check(const CheckOptions& options) {
   const auto wanted = [&](const char* ops) { return options.ops == "all" || options.ops == ops; };
   if (wanted("mla_rope_cache")) families.push_back(check::make_fused_family());
   if (wanted("rmsnorm_quant")) families.push_back(check::make_norm_family());
+  if (wanted("unfused")) families.push_back(check::make_unfused_family());
   if (wanted("gather")) families.push_back(check::make_gather_family());
   for (const std::unique_ptr<Family>& family : families) {
     for (int config = 0; config < family->num_configs(); ++config) {

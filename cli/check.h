@@ -1,4 +1,4 @@
-// mlakv CLI: `mlakv check`'s op families (check_fused.cpp, check_norm.cpp, check_gather.cpp) and
+// mlakv CLI: `mlakv check`'s op families (check_{fused,norm,unfused,gather}.cpp) and
 // what they share with the driver (check.cpp): a run's buffers and counters, the device copies a
 // backend runs on, the random source of a case.
 #pragma once
@@ -49,6 +49,27 @@ struct DeviceCopies {
 // The host reference's pointers into a run's buffers (nullptr for an unused buffer).
 std::vector<void*> host_pointers(Run* run);
 
+// A random paged cache of one format: its geometry and layout (combined, with or without padding
+// after each entry, or split), and whether a per-tensor fp8 cache has a scale.
+struct CacheLayout {
+  CacheFormat format = CacheFormat::kBFloat16;
+  int64_t L = 0, R = 0, block_size = 0, num_blocks = 0;
+  bool split = false;
+  int64_t token_pad_bytes = 0;  // extra bytes after every entry (combined layout)
+  bool scaled = false;
+
+  // At least `min_slots` slots in one of a few block sizes (1 to 128), a few blocks to spare.
+  static CacheLayout draw(Rng& rng, CacheFormat format, int64_t L, int64_t R, int64_t min_slots);
+  int64_t num_slots() const { return num_blocks * block_size; }
+  // Bytes from one entry (split: latent part) to the next, and of the two buffers.
+  int64_t entry_stride() const;
+  size_t data_bytes() const;
+  size_t rope_bytes() const;  // 0 unless split
+  KVCacheView view(void* data, void* rope_data, const float* scale, Device device) const;
+  // "cache fp8_e4m3 split bs 16 blocks 7 scaled"
+  std::string describe() const;
+};
+
 // One family of ops: named configs, and for each (config, seed) one random case that the host
 // reference and every backend run on copies of the same initial buffers.
 class Family {
@@ -69,6 +90,8 @@ class Family {
 std::unique_ptr<Family> make_fused_family();
 // rmsnorm_quant, mla_rmsnorm_quant, per_token_group_quant_fp8 (check_norm.cpp).
 std::unique_ptr<Family> make_norm_family();
+// rotary_embedding, concat_and_cache_mla, decode_q_concat, rms_norm (check_unfused.cpp).
+std::unique_ptr<Family> make_unfused_family();
 // gather_cache_slots, gather_cache_sequences (check_gather.cpp).
 std::unique_ptr<Family> make_gather_family();
 

@@ -63,12 +63,7 @@ struct GatherCase {
   const GatherConfig* config = nullptr;
   uint64_t seed = 0;
   bool sequences = false;
-  int64_t L = 0, R = 0;
-  CacheFormat format = CacheFormat::kBFloat16;
-  int64_t block_size = 0, num_blocks = 0;
-  bool split_cache = false;
-  int64_t token_pad_bytes = 0;  // extra bytes after every cache entry (combined layout)
-  bool cache_scale = false;     // per-tensor fp8 with a scale pointer
+  CacheLayout cache;
   DType out_dtype = DType::kBFloat16;
   int64_t out_row_pad = 0;  // out's row stride is L + R + out_row_pad
   int64_t out_rows = 0;     // out.shape[0]
@@ -81,19 +76,13 @@ struct GatherCase {
   int64_t B = 0, max_blocks = 0, table_row_stride = 0;
   std::vector<int64_t> block_table, cu_seq_lens;
 
-  int64_t num_slots() const { return num_blocks * block_size; }
-  int64_t entry_stride() const {
-    if (split_cache) return L * static_cast<int64_t>(dtype_size(cache_latent_dtype(format)));
-    return cache_entry_bytes(format, L, R) + token_pad_bytes;
-  }
+  int64_t num_slots() const { return cache.num_slots(); }
 
   std::string describe() const {
     std::ostringstream os;
     os << "seed " << seed << ": " << (sequences ? "sequences B " : "slots N ")
-       << (sequences ? B : N) << " out rows " << out_rows << " L " << L << " R " << R << " cache "
-       << cache_format_name(format) << (split_cache ? " split" : "")
-       << (token_pad_bytes > 0 ? " padded" : "") << " bs " << block_size << " blocks " << num_blocks
-       << (cache_scale ? " scaled" : "") << " out " << dtype_name(out_dtype)
+       << (sequences ? B : N) << " out rows " << out_rows << " L " << cache.L << " R " << cache.R
+       << " " << cache.describe() << " out " << dtype_name(out_dtype)
        << (out_row_pad > 0 ? " (row pad " + std::to_string(out_row_pad) + ")" : "");
     if (!sequences) {
       int64_t padding = 0, past = 0;
@@ -109,11 +98,11 @@ struct GatherCase {
     int64_t bad_ids = 0, past_row = 0;
     for (int64_t b = 0; b < B; ++b) {
       const int64_t len = cu_seq_lens[b + 1] - cu_seq_lens[b];
-      const int64_t used = (len + block_size - 1) / block_size;
-      past_row += std::max<int64_t>(0, len - max_blocks * block_size);
+      const int64_t used = (len + cache.block_size - 1) / cache.block_size;
+      past_row += std::max<int64_t>(0, len - max_blocks * cache.block_size);
       for (int64_t j = 0; j < std::min(used, max_blocks); ++j) {
         const int64_t id = block_table[b * table_row_stride + j];
-        bad_ids += id < 0 || id >= num_blocks ? 1 : 0;
+        bad_ids += id < 0 || id >= cache.num_blocks ? 1 : 0;
       }
     }
     os << " table cols " << max_blocks << (table_row_stride != max_blocks ? " strided" : "")
@@ -131,17 +120,12 @@ GatherCase make_gather_case(const GatherConfig& config, uint64_t seed, int forma
   c.seed = seed;
   c.sequences =
       config.op == GatherOp::kEither ? rng.chance(0.5) : config.op == GatherOp::kSequences;
-  c.L = config.L > 0 ? config.L : 16 * rng.between(1, 64);
-  c.R = config.R > 0 ? config.R : 2 * rng.between(1, 64);
-  if (c.L != kDsMlaLatentDim || c.R != kDsMlaRopeDim) {
+  const int64_t L = config.L > 0 ? config.L : 16 * rng.between(1, 64);
+  const int64_t R = config.R > 0 ? config.R : 2 * rng.between(1, 64);
+  if (L != kDsMlaLatentDim || R != kDsMlaRopeDim) {
     if (format_index == 5) format_index = static_cast<int>(seed % 5);  // fp8_ds_mla: 512 + 64
   }
-  c.format = kGatherFormats[format_index];
-  const int64_t block_sizes[] = {1, 2, 3, 16, 17, 64, 128};
-  c.block_size = block_sizes[rng.below(7)];
-  c.split_cache = c.format != CacheFormat::kFloat8DsMla && rng.chance(0.25);
-  c.token_pad_bytes = !c.split_cache && rng.chance(0.2) ? 32 : 0;
-  c.cache_scale = cache_is_per_tensor_fp8(c.format) && rng.chance(0.85);
+  const CacheFormat format = kGatherFormats[format_index];
   c.out_dtype = rng.chance(0.6) ? DType::kBFloat16 : DType::kFloat32;
   const double pad_roll = rng.uniform(0.0f, 1.0f);
   c.out_row_pad = pad_roll < 0.6 ? 0 : (pad_roll < 0.8 ? 8 : rng.between(1, 7));
@@ -150,7 +134,7 @@ GatherCase make_gather_case(const GatherConfig& config, uint64_t seed, int forma
     c.N = rng.chance(0.15) ? rng.between(65, 600) : rng.between(1, 64);
     c.pad_rows = rng.chance(0.5) ? rng.between(1, 4) : 0;
     c.index_dtype = rng.chance(0.5) ? DType::kInt64 : DType::kInt32;
-    c.num_blocks = (c.N + c.block_size - 1) / c.block_size + rng.between(1, 3);
+    c.cache = CacheLayout::draw(rng, format, L, R, c.N);
     // Slots anywhere in the cache (repeats allowed: a read-back), a few padding (-1) and a few
     // past the cache (zeros, counted); padding rows get wild values the op must never read.
     for (int64_t i = 0; i < c.N + c.pad_rows; ++i) {
@@ -169,6 +153,8 @@ GatherCase make_gather_case(const GatherConfig& config, uint64_t seed, int forma
     return c;
   }
 
+  c.cache = CacheLayout::draw(rng, format, L, R, 1);  // its block count follows from the table
+  const int64_t bs = c.cache.block_size;
   c.B = rng.chance(0.2) ? rng.between(9, 40) : rng.between(1, 8);
   const int64_t max_len = rng.chance(0.2) ? 600 : 150;
   c.cu_seq_lens.push_back(0);
@@ -181,18 +167,19 @@ GatherCase make_gather_case(const GatherConfig& config, uint64_t seed, int forma
   // The table: as many columns as the longest sequence needs, sometimes more (never read),
   // sometimes fewer (the tokens past a row give zeros and are counted); its rows sometimes a
   // column view of a wider table.
-  c.max_blocks = std::max<int64_t>(1, (longest + c.block_size - 1) / c.block_size);
+  c.max_blocks = std::max<int64_t>(1, (longest + bs - 1) / bs);
   const double cols_roll = rng.uniform(0.0f, 1.0f);
   if (cols_roll < 0.2) c.max_blocks += rng.between(1, 3);
   if (cols_roll > 0.75 && c.max_blocks > 1) c.max_blocks -= 1;
   c.table_row_stride = c.max_blocks + (rng.chance(0.3) ? rng.between(1, 4) : 0);
   c.pad_rows = rng.chance(0.5) ? rng.between(1, 3) : 0;
-  c.num_blocks = rng.between(std::max<int64_t>(2, c.max_blocks / 2), c.max_blocks * 2 + 4);
+  const int64_t blocks = rng.between(std::max<int64_t>(2, c.max_blocks / 2), c.max_blocks * 2 + 4);
+  c.cache.num_blocks = blocks;
   for (int64_t b = 0; b < c.B + c.pad_rows; ++b) {
     for (int64_t j = 0; j < c.table_row_stride; ++j) {
-      int64_t id = rng.below(c.num_blocks);
+      int64_t id = rng.below(blocks);
       if (b < c.B && j < c.max_blocks && rng.chance(0.03)) {
-        id = rng.chance(0.5) ? -1 - rng.below(3) : c.num_blocks + rng.below(5);
+        id = rng.chance(0.5) ? -1 - rng.below(3) : blocks + rng.below(5);
       }
       c.block_table.push_back(id);
     }
@@ -208,46 +195,35 @@ GatherCase make_gather_case(const GatherConfig& config, uint64_t seed, int forma
 }
 
 KVCacheView cache_view(const GatherCase& c, const std::vector<void*>& base, Device device) {
-  KVCacheView v;
-  if (c.split_cache) {
-    v = make_split_cache_view(base[kGCache], base[kGCacheRope], c.format, c.num_blocks,
-                              c.block_size, c.L, c.R, device);
-  } else {
-    v = make_cache_view(base[kGCache], c.format, c.num_blocks, c.block_size, c.L, c.R, device);
-    v.stride_token_bytes = c.entry_stride();
-    v.stride_block_bytes = c.entry_stride() * c.block_size;
-  }
-  if (c.cache_scale) v.scale = static_cast<const float*>(base[kGCacheScale]);
-  return v;
+  return c.cache.view(base[kGCache], base[kGCacheRope],
+                      static_cast<const float*>(base[kGCacheScale]), device);
 }
 
 std::vector<std::vector<uint8_t>> gather_initial_buffers(const GatherCase& c) {
   Rng rng(c.seed ^ 0x9a7e5eedull);
   std::vector<std::vector<uint8_t>> b(kNumGatherBuffers);
-  const int64_t slots = c.num_slots();
-  b[kGCache].assign(static_cast<size_t>(slots * c.entry_stride()), kSentinelByte);
-  if (c.split_cache) {
-    b[kGCacheRope].assign(static_cast<size_t>(slots * c.R) * dtype_size(cache_rope_dtype(c.format)),
-                          kSentinelByte);
-  }
+  const CacheLayout& cache = c.cache;
+  b[kGCache].assign(cache.data_bytes(), kSentinelByte);
+  if (cache.split) b[kGCacheRope].assign(cache.rope_bytes(), kSentinelByte);
   // Every entry random: its latent part (fp8_ds_mla: then its 4 tile scales) and its rope part,
   // placed by the reference's addressing.
   {
     std::vector<void*> base(kNumGatherBuffers, nullptr);
     base[kGCache] = b[kGCache].data();
-    if (c.split_cache) base[kGCacheRope] = b[kGCacheRope].data();
+    if (cache.split) base[kGCacheRope] = b[kGCacheRope].data();
     const KVCacheView v = cache_view(c, base, Device{});
-    const DType latent = cache_latent_dtype(c.format);
-    const DType rope = cache_rope_dtype(c.format);
-    const std::vector<uint8_t> latent_values = random_values(latent, slots * c.L, 2.0f, rng);
-    const std::vector<uint8_t> rope_values = random_values(rope, slots * c.R, 2.0f, rng);
-    const size_t latent_row = static_cast<size_t>(c.L) * dtype_size(latent);
-    const size_t rope_row = static_cast<size_t>(c.R) * dtype_size(rope);
-    uint8_t* rope_base = static_cast<uint8_t*>(c.split_cache ? base[kGCacheRope] : base[kGCache]);
+    const int64_t slots = cache.num_slots();
+    const DType latent = cache_latent_dtype(cache.format);
+    const DType rope = cache_rope_dtype(cache.format);
+    const std::vector<uint8_t> latent_values = random_values(latent, slots * cache.L, 2.0f, rng);
+    const std::vector<uint8_t> rope_values = random_values(rope, slots * cache.R, 2.0f, rng);
+    const size_t latent_row = static_cast<size_t>(cache.L) * dtype_size(latent);
+    const size_t rope_row = static_cast<size_t>(cache.R) * dtype_size(rope);
+    uint8_t* rope_base = static_cast<uint8_t*>(cache.split ? base[kGCacheRope] : base[kGCache]);
     for (int64_t s = 0; s < slots; ++s) {
       uint8_t* entry = b[kGCache].data() + ref::cache_latent_offset_bytes(v, s);
       std::memcpy(entry, latent_values.data() + s * latent_row, latent_row);
-      if (c.format == CacheFormat::kFloat8DsMla) {
+      if (cache.format == CacheFormat::kFloat8DsMla) {
         for (int64_t tile = 0; tile < kDsMlaNumTiles; ++tile) {
           const float scale = rng.uniform(0.001f, 0.05f);
           std::memcpy(entry + latent_row + tile * sizeof(float), &scale, sizeof(float));
@@ -257,7 +233,7 @@ std::vector<std::vector<uint8_t>> gather_initial_buffers(const GatherCase& c) {
                   rope_row);
     }
   }
-  if (c.cache_scale) {
+  if (cache.scaled) {
     const float scale = rng.uniform(0.004f, 0.05f);
     b[kGCacheScale].resize(4);
     std::memcpy(b[kGCacheScale].data(), &scale, 4);
@@ -268,7 +244,7 @@ std::vector<std::vector<uint8_t>> gather_initial_buffers(const GatherCase& c) {
   } else {
     b[kGSlots] = index_bytes(c.slots, c.index_dtype);
   }
-  const int64_t row = c.L + c.R + c.out_row_pad;
+  const int64_t row = cache.L + cache.R + c.out_row_pad;
   b[kGOut].assign(static_cast<size_t>(c.out_rows * row) * dtype_size(c.out_dtype), kPoisonByte);
   return b;
 }
@@ -282,7 +258,7 @@ class GatherFamily : public Family {
     if (i == 0) formats_seen_ = 0;
     case_ = make_gather_case(gather_configs()[config], seed, i % 6);
     for (int f = 0; f < 6; ++f) {
-      if (kGatherFormats[f] == case_.format) formats_seen_ |= 1 << f;
+      if (kGatherFormats[f] == case_.cache.format) formats_seen_ |= 1 << f;
     }
     initial_ = gather_initial_buffers(case_);
   }
@@ -333,8 +309,9 @@ class GatherFamily : public Family {
 
   TensorView out_view(const std::vector<void*>& base, Device device) const {
     const GatherCase& c = case_;
-    return make_strided_view(base[kGOut], c.out_dtype, {c.out_rows, c.L + c.R},
-                             {c.L + c.R + c.out_row_pad, 1}, device);
+    const int64_t width = c.cache.L + c.cache.R;
+    return make_strided_view(base[kGOut], c.out_dtype, {c.out_rows, width},
+                             {width + c.out_row_pad, 1}, device);
   }
 
   GatherCacheSlotsParams slots_params(const std::vector<void*>& base, Device device) const {

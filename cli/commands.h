@@ -17,7 +17,8 @@ struct CheckOptions {
   std::string backend = "all";  // cpu | cuda | all
   bool verbose = false;         // one line per case instead of per config
   int device = 0;               // the CUDA backend's GPU (cuda:N)
-  // mla_rope_cache | rmsnorm_quant (with mla_rmsnorm_quant, per_token_group_quant_fp8) | gather
+  // mla_rope_cache | rmsnorm_quant (with mla_rmsnorm_quant, per_token_group_quant_fp8) | unfused
+  // (rotary_embedding, concat_and_cache_mla, decode_q_concat, rms_norm) | gather
   // (gather_cache_slots, gather_cache_sequences) | all
   std::string ops = "all";
 };

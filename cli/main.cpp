@@ -36,9 +36,10 @@ int run(int argc, char** argv) {
   check
       ->add_option("--ops", check_options.ops,
                    "The ops to test: mla_rope_cache (the fused op), rmsnorm_quant (with "
-                   "mla_rmsnorm_quant and per_token_group_quant_fp8), gather "
+                   "mla_rmsnorm_quant and per_token_group_quant_fp8), unfused (rotary_embedding, "
+                   "concat_and_cache_mla, decode_q_concat, rms_norm), gather "
                    "(gather_cache_slots and gather_cache_sequences), or all")
-      ->check(CLI::IsMember({"mla_rope_cache", "rmsnorm_quant", "gather", "all"}))
+      ->check(CLI::IsMember({"mla_rope_cache", "rmsnorm_quant", "unfused", "gather", "all"}))
       ->capture_default_str();
   check->add_flag("-v,--verbose", check_options.verbose, "One line per case");
   check

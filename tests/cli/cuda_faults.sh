@@ -73,7 +73,12 @@ case_ check_cuda_vs_cpu_gather gather_cache_slots@cuda:out:last 1 \
   "summary: 30 comparisons, [1-9][0-9]* mismatches: FAIL" \
   "gather_cache_slots L512 R64  *cpu 2/2 ok  cuda 0/2 ok  cuda==cpu 0/2" \
   "MISMATCH cuda vs cpu: seed .*: out: byte [1-9]" $both --ops gather
-case_ check_all_pass none:none 0 "summary: 90 comparisons, 0 mismatches: PASS" $both
+# rotary_embedding runs in the first 2 configs of the unfused family.
+case_ check_cuda_vs_cpu_unfused rotary_embedding@cuda:query:last 1 \
+  "summary: 30 comparisons, 8 mismatches: FAIL" \
+  "rotary_embedding any shape  *cpu 2/2 ok  cuda 0/2 ok  cuda==cpu 0/2" \
+  "MISMATCH cuda vs cpu: seed .*: query: byte [1-9]" $both --ops unfused
+case_ check_all_pass none:none 0 "summary: 120 comparisons, 0 mismatches: PASS" $both
 
 # --device: past the last GPU the commands refuse; with two GPUs, check and bench on cuda:1 (the
 # current device stays cuda:0 in check) must still see a fault in the CUDA run alone.
@@ -86,7 +91,7 @@ if [ "${gpus:-0}" -ge 2 ]; then
   case_ check_device1_cuda_vs_cpu mla_rope_cache@cuda:kv_cache 1 \
     "summary: 30 comparisons, 20 mismatches: FAIL" "cuda = cuda:1" \
     "MISMATCH cuda vs cpu: seed .*: kv_cache: byte 0 of" $both --ops mla_rope_cache --device 1
-  case_ check_device1_pass none:none 0 "summary: 90 comparisons, 0 mismatches: PASS" $both --device 1
+  case_ check_device1_pass none:none 0 "summary: 120 comparisons, 0 mismatches: PASS" $both --device 1
   case_ bench_device1_unfused concat_and_cache_mla:kv_cache 2 \
     "CHECK FAILED: cache differs from unfused at byte 0 of" -- $bench decode_bf16 --tokens 1 --device 1
   case_ bench_device1 none:none 0 "^mlakv bench: cuda:1 " "^decode_bf16  *1 " \

@@ -8,7 +8,7 @@
 //     op    mla_rope_cache, concat_and_cache_mla, decode_q_concat, rotary_embedding, rms_norm,
 //           rmsnorm_quant, mla_rmsnorm_quant, per_token_group_quant_fp8, gather_cache_slots,
 //           gather_cache_sequences (the library), ref.mla_rope_cache, ref.rmsnorm_quant,
-//           ref.gather_cache_slots (the host reference)
+//           ref.rms_norm, ref.gather_cache_slots (the host reference)
 //     what  a buffer of the op's params (named as in its struct; mla_rmsnorm_quant: kv_c and
 //           kv_c_out for its kv half, else its q half's names): one byte of it is flipped after the
 //           op ran (its first byte, or its last with `:last`); `counter`: error counter 0 gains
@@ -313,6 +313,12 @@ void __wrap__ZN5mlakv3ref18gather_cache_slotsERKNS_22GatherCacheSlotsParamsEPi(
     __real__ZN5mlakv3ref18gather_cache_slotsERKNS_22GatherCacheSlotsParamsEPi(p, error_counts);
   }
   corrupt_gather("ref.gather_cache_slots", p, error_counts);
+}
+
+void __real__ZN5mlakv3ref8rms_normERKNS_13RmsNormParamsE(const mlakv::RmsNormParams&);
+void __wrap__ZN5mlakv3ref8rms_normERKNS_13RmsNormParamsE(const mlakv::RmsNormParams& p) {
+  if (before("ref.rms_norm")) __real__ZN5mlakv3ref8rms_normERKNS_13RmsNormParamsE(p);
+  corrupt("ref.rms_norm", p);
 }
 
 }  // extern "C"
