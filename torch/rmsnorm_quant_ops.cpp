@@ -36,6 +36,7 @@ constexpr Renames kDualNames = {{"q.input", "q_c"},
                                 {"q.weight", "q_weight"},
                                 {"q.eps", "q_eps"},
                                 {"q.normed_out", "q_normed_out"},
+                                {"q.residual", "q_residual"},
                                 {"q.quant.values", "q_out"},
                                 {"q.quant.scales", "q_scales"},
                                 {"q.quant.group_size", "group_size"},
@@ -83,7 +84,8 @@ void mla_rmsnorm_quant_op(const at::Tensor& q_c, const at::Tensor& q_weight, dou
                           at::Tensor& q_out, at::Tensor& q_scales, const at::Tensor& kv_c,
                           const at::Tensor& kv_weight, double kv_eps, at::Tensor& kv_c_out,
                           int64_t group_size, std::optional<double> scale_floor, bool pow2_scale,
-                          const OptTensor& q_normed_out, std::optional<int64_t> num_tokens) {
+                          const OptTensor& q_normed_out, const OptTensor& q_residual,
+                          std::optional<int64_t> num_tokens) {
   translate_errors(kDualNames, [&] {
     Env env("q_c", q_c, std::nullopt);
     MlaRmsNormQuantParams p;
@@ -92,6 +94,7 @@ void mla_rmsnorm_quant_op(const at::Tensor& q_c, const at::Tensor& q_weight, dou
     p.q.weight = to_view("q_weight", q_weight);
     p.q.eps = static_cast<float>(q_eps);
     p.q.normed_out = to_view("q_normed_out", q_normed_out);
+    p.q.residual = to_view("q_residual", q_residual);
     p.q.quant = quant_output(q_out, q_scales, group_size, scale_floor, pow2_scale);
     p.kv.num_tokens = token_count(num_tokens, kv_c);
     p.kv.input = to_view("kv_c", kv_c);
@@ -136,7 +139,8 @@ TORCH_LIBRARY_FRAGMENT(mlakv, m) {
       "mla_rmsnorm_quant(Tensor q_c, Tensor q_weight, float q_eps, Tensor(a!) q_out, "
       "Tensor(b!) q_scales, Tensor kv_c, Tensor kv_weight, float kv_eps, Tensor(c!) kv_c_out, "
       "int group_size=128, float? scale_floor=None, bool pow2_scale=False, "
-      "Tensor(d!)? q_normed_out=None, SymInt? num_tokens=None) -> ()");
+      "Tensor(d!)? q_normed_out=None, Tensor(e!)? q_residual=None, "
+      "SymInt? num_tokens=None) -> ()");
   m.def(
       "per_token_group_quant_fp8(Tensor input, Tensor(a!) out, Tensor(b!) scales, "
       "int group_size=128, float? scale_floor=None, bool pow2_scale=False, "

@@ -300,10 +300,12 @@ def mla_rmsnorm_quant(q_c: torch.Tensor, q_weight: torch.Tensor, kv_c: torch.Ten
                       kv_c_out: Optional[torch.Tensor] = None, group_size: int = 128,
                       scale_floor: Optional[float] = None, pow2_scale: bool = False,
                       q_normed_out: Optional[torch.Tensor] = None,
+                      q_residual: Optional[torch.Tensor] = None,
                       column_major_scales: bool = False, num_tokens=None):
     """The two norms of an MLA layer in one launch: ``q_c [>=T, Nq]`` -> RMSNorm -> e4m3 values +
-    fp32 group scales (as ``rmsnorm_quant``), and ``kv_c [>=T, Nkv]`` -> RMSNorm -> ``kv_c_out``
-    in the model dtype (may be ``kv_c``: in place). Returns ``(q_out, q_scales, kv_c_out)``,
+    fp32 group scales (as ``rmsnorm_quant``, with its ``normed_out`` and ``residual`` as
+    ``q_normed_out`` and ``q_residual``), and ``kv_c [>=T, Nkv]`` -> RMSNorm -> ``kv_c_out`` in
+    the model dtype (may be ``kv_c``: in place). Returns ``(q_out, q_scales, kv_c_out)``,
     allocated when not given."""
     T = _token_count(num_tokens, q_c, "q_c")
     q_out, q_scales = _quant_outputs(q_c, "q_c", T, group_size, q_out, q_scales,
@@ -313,7 +315,7 @@ def mla_rmsnorm_quant(q_c: torch.Tensor, q_weight: torch.Tensor, kv_c: torch.Ten
                                dtype=kv_c.dtype, device=kv_c.device)
     _ops.mla_rmsnorm_quant(q_c, q_weight, float(q_eps), q_out, q_scales, kv_c, kv_weight,
                            float(kv_eps), kv_c_out, int(group_size), scale_floor, pow2_scale,
-                           q_normed_out, _opt_count(num_tokens))
+                           q_normed_out, q_residual, _opt_count(num_tokens))
     return q_out, q_scales, kv_c_out
 
 

@@ -477,15 +477,16 @@ def rmsnorm_quant(input, weight, eps=1e-6, *, out=None, scales=None, group_size=
 
 def mla_rmsnorm_quant(q_c, q_weight, kv_c, kv_weight, *, q_eps=1e-6, kv_eps=1e-6, q_out=None,
                       q_scales=None, kv_c_out=None, group_size=128, scale_floor=None,
-                      pow2_scale=False, q_normed_out=None, column_major_scales=False,
-                      num_tokens=None):
+                      pow2_scale=False, q_normed_out=None, q_residual=None,
+                      column_major_scales=False, num_tokens=None):
     """Reference of ``mlakv.mla_rmsnorm_quant``: returns ``(q_out, q_scales, kv_c_out)``."""
     T = _rows(q_c, num_tokens)
     kv_y, _ = rms_norm_rows(kv_c[:T], kv_weight, kv_eps)
     q_out, q_scales = rmsnorm_quant(q_c, q_weight, q_eps, out=q_out, scales=q_scales,
                                     group_size=group_size, scale_floor=scale_floor,
                                     pow2_scale=pow2_scale, normed_out=q_normed_out,
-                                    column_major_scales=column_major_scales, num_tokens=T)
+                                    residual=q_residual, column_major_scales=column_major_scales,
+                                    num_tokens=T)
     if kv_c_out is None:
         kv_c_out = torch.empty(T, kv_c.shape[-1], dtype=kv_c.dtype, device=kv_c.device)
     kv_c_out[:T].copy_(kv_y)

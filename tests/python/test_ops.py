@@ -488,6 +488,9 @@ def test_errors_name_the_torch_arguments(device):
         ("mla_rmsnorm_quant: kv_c_out: ",
          lambda: mlakv.mla_rmsnorm_quant(x, w, x, w, q_out=out, q_scales=scales,
                                          kv_c_out=torch.zeros(4, 512, device=device))),
+        ("mla_rmsnorm_quant: q_residual: ",
+         lambda: mlakv.mla_rmsnorm_quant(x, w, x, w, q_out=out, q_scales=scales,
+                                         q_residual=x[:, :256])),
         ("mla_rmsnorm_quant: kv_c: expected dtype bfloat16 \\(the dtype of q_c\\)",
          lambda: mlakv.mla_rmsnorm_quant(x, w, x.half(), w.half(), q_out=out, q_scales=scales)),
     ]

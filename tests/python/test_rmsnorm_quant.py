@@ -164,6 +164,37 @@ def test_mla_rmsnorm_quant_dual(dtype, device):
     assert_bytes_equal(kv_c[:T], ref_kv)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_mla_rmsnorm_quant_q_residual(dtype, device):
+    """The dual form's q half takes rmsnorm_quant's residual (q_residual: q_c + q_residual is
+    normalized and written back) and normed_out (q_normed_out); the kv half is unchanged by it."""
+    T = 19
+    q_c = rand_rows(T, 1536, dtype, device, seed=41)
+    q_res = rand_rows(T, 1536, dtype, device, seed=42)
+    kv_c = rand_rows(T, 512, dtype, device, seed=43)
+    qw = rand_weight(1536, dtype, device, seed=44)
+    kvw = rand_weight(512, dtype, device, seed=45)
+    q_res_in = q_res.clone()
+    normed = torch.zeros_like(q_c)
+    q_out, q_scales, kv_out = mlakv.mla_rmsnorm_quant(q_c, qw, kv_c, kvw, q_eps=1e-5,
+                                                      q_residual=q_res, q_normed_out=normed,
+                                                      num_tokens=T)
+    y, new_res = ref_rms_norm(q_c[:T], qw, 1e-5, q_res_in[:T])
+    q, s = ref_group_quant(y, 128)
+    assert_bytes_equal(q_out, q)
+    assert_bytes_equal(q_scales, s)
+    assert_bytes_equal(normed[:T], y)
+    assert_bytes_equal(q_res[:T], new_res)
+    assert_bytes_equal(q_res[T:], q_res_in[T:])
+    assert_bytes_equal(kv_out, ref_rms_norm(kv_c[:T], kvw, 1e-6)[0])
+    # The same bytes as rmsnorm_quant with the residual.
+    res2 = q_res_in.clone()
+    out2, scales2 = mlakv.rmsnorm_quant(q_c, qw, 1e-5, residual=res2, num_tokens=T)
+    assert_bytes_equal(q_out, out2)
+    assert_bytes_equal(q_scales, scales2)
+    assert_bytes_equal(q_res, res2)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_per_token_group_quant_fp8(dtype, device):
     T, N = 21, 7168
@@ -240,11 +271,13 @@ def test_reference_ops_take_the_wrappers_arguments(column_major, device):
         out = impl.rmsnorm_quant(x, w, 1e-5, residual=res, normed_out=normed, group_size=64,
                                  scale_floor=1e-3, pow2_scale=True,
                                  column_major_scales=column_major, num_tokens=T)
+        dual_res = residual.clone()
         dual = impl.mla_rmsnorm_quant(x, w, kv_c, kvw, q_eps=1e-5, kv_eps=1e-4,
-                                      column_major_scales=column_major, num_tokens=T)
+                                      q_residual=dual_res, column_major_scales=column_major,
+                                      num_tokens=T)
         plain = impl.per_token_group_quant_fp8(x, 128, column_major_scales=column_major,
                                                num_tokens=T)
-        return [*out, res, normed, *dual, *plain]
+        return [*out, res, normed, *dual, dual_res, *plain]
 
     got, want = run(mlakv), run(ref)
     assert [t.shape for t in got] == [t.shape for t in want]
@@ -296,6 +329,10 @@ def test_opcheck(device):
                           test_utils=utils)
     torch.library.opcheck(_ops.mla_rmsnorm_quant.default,
                           (x, w, 1e-6, out, scales, kv_c, kvw, 1e-6, kv_out), test_utils=utils)
+    q_res = rand_rows(T, N, torch.bfloat16, device, seed=19, pad_rows=0)
+    torch.library.opcheck(_ops.mla_rmsnorm_quant.default,
+                          (x, w, 1e-6, out, scales, kv_c, kvw, 1e-6, kv_out),
+                          {"q_residual": q_res}, test_utils=utils)
 
 
 def test_torch_compile_fullgraph(device):
