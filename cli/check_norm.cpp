@@ -76,7 +76,8 @@ struct NormCase {
   bool pow2 = false;
   float eps = 1e-6f;
   float scale_floor = kDefaultScaleFloor;
-  int64_t zero_rows = 0;  // leading rows of zeros (their scales are the floor)
+  // Leading rows of zeros (their scales are the floor; the dual form: kv_c's rows too).
+  int64_t zero_rows = 0;
 
   int64_t rows() const { return T + pad_rows; }
   int64_t groups() const { return N / G; }
@@ -165,6 +166,7 @@ std::vector<std::vector<uint8_t>> norm_initial_buffers(const NormCase& c) {
   b[kNScales].assign(static_cast<size_t>(c.scale_floats()) * 4, kPoisonByte);
   if (c.config->op == NormOp::kDual) {
     b[kNKvInput] = random_values(c.model, rows * kKvWidth, 2.0f, rng);
+    std::fill(b[kNKvInput].begin(), b[kNKvInput].begin() + c.zero_rows * kKvWidth * mb, uint8_t{0});
     b[kNKvWeight] = random_values(c.model, kKvWidth, 1.5f, rng);
     if (c.kv_out == Alias::kSeparate) b[kNKvOut].assign(rows * kKvWidth * mb, kPoisonByte);
   }
