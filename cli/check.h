@@ -23,11 +23,13 @@ constexpr uint8_t kSentinelByte = 0x5C;  // bytes the op must leave alone
 enum class Alias { kNone, kSeparate, kInPlace };
 
 // What one run of a case left in its buffers (by buffer id; empty: not used by the case) and in the
-// error counters. `names` names the buffers of the case's op family.
+// error counters. `names` names the buffers of the case's op family; `overrun` names the first
+// buffer whose bytes past its end changed (a write outside every view), or is empty.
 struct Run {
   const char* (*names)(int) = nullptr;
   std::vector<std::vector<uint8_t>> result;
   std::array<int32_t, kNumErrorCounters> counts = {};
+  std::string overrun;
   bool ran() const { return !result.empty(); }
 };
 
@@ -36,9 +38,11 @@ struct Run {
 // later (SplitMix64 seeded with s * its own increment would be).
 Rng case_rng(uint64_t seed, const char* config_name, uint64_t salt);
 
-// Copies of `initial` on `device` (nullptr for an unused buffer); the run's result is read back
-// from them, cut to each buffer's size.
+// Copies of `initial` on `device` (nullptr for an unused buffer), each followed by kTailBytes
+// sentinel bytes; the run's result is read back from them, cut to each buffer's size, and a
+// changed tail is reported as an overrun.
 struct DeviceCopies {
+  static constexpr size_t kTailBytes = 256;
   std::vector<Buffer> buffers;
   std::vector<void*> base;
 
@@ -49,24 +53,97 @@ struct DeviceCopies {
 // The host reference's pointers into a run's buffers (nullptr for an unused buffer).
 std::vector<void*> host_pointers(Run* run);
 
-// A random paged cache of one format: its geometry and layout (combined, with or without padding
-// after each entry, or split), and whether a per-tensor fp8 cache has a scale.
+// One run of an op on `device`: copies of `initial`, error counters, `op(base, ctx)`, then the
+// buffers and counters read back.
+template <typename Op>
+Run run_on(Device device, const std::vector<std::vector<uint8_t>>& initial,
+           const char* (*names)(int), const Op& op) {
+  const DeviceCopies copies(initial, device);
+  Buffer counts(device, kNumErrorCounters * sizeof(int32_t));
+  reset_error_counts(counts.as<int32_t>(), device);
+  Context ctx;
+  ctx.error_counts = counts.as<int32_t>();
+  op(copies.base, ctx);
+  device_synchronize(device);
+  Run run;
+  run.names = names;
+  read_error_counts(counts.as<int32_t>(), device, run.counts.data());
+  copies.read_back(initial, &run);
+  return run;
+}
+
+// The host reference's run: `ref(base, counts)` on host copies of `initial`.
+template <typename Ref>
+Run run_reference(const std::vector<std::vector<uint8_t>>& initial, const char* (*names)(int),
+                  const Ref& ref) {
+  Run run;
+  run.names = names;
+  run.result = initial;
+  ref(host_pointers(&run), run.counts.data());
+  return run;
+}
+
+// Index values of T rows (and rows - T padding rows of wild values the op must never read).
+// Slots: in [0, num_slots) (distinct: each at most once), a few padding (< 0), a few past the
+// cache, a few far out of range (past int32 for int64 indices, INT32_MIN / INT32_MAX for int32).
+// Positions: in [0, max_pos), a few outside, a few far outside, as slots.
+std::vector<int64_t> draw_slots(Rng& rng, int64_t T, int64_t rows, int64_t num_slots,
+                                DType index_dtype, bool distinct);
+std::vector<int64_t> draw_positions(Rng& rng, int64_t T, int64_t rows, int64_t max_pos,
+                                    DType index_dtype);
+// An index far out of range of [0, n) for `index_dtype` (int32 or int64).
+int64_t far_index(Rng& rng, int64_t n, DType index_dtype);
+
+// A random fp32 scale in [0.004, 0.05) as its 4 bytes (a cache's or q_out's per-tensor scale).
+std::vector<uint8_t> scale_bytes(Rng& rng);
+
+// A cos/sin table [max_pos, R] whose rows lie row_stride elements apart (the gaps random).
+std::vector<uint8_t> strided_rope_table(int64_t max_pos, int64_t R, DType dtype, int64_t row_stride,
+                                        Rng& rng);
+
+// The cache formats, cycled over a config's cases.
+inline constexpr CacheFormat kCacheFormats[] = {
+    CacheFormat::kBFloat16,   CacheFormat::kFloat16,    CacheFormat::kFloat32,
+    CacheFormat::kFloat8E4M3, CacheFormat::kFloat8E5M2, CacheFormat::kFloat8DsMla};
+constexpr int kNumCacheFormats = 6;
+// Case i's format: the formats in turn, fp8_ds_mla only where L = 512 and R = 64 (elsewhere one
+// of the others, by seed).
+int cycled_format_index(int i, int64_t L, int64_t R, uint64_t seed);
+
+// The formats a config's cases used: "(N cache formats)".
+class FormatTally {
+ public:
+  void reset() { seen_ = 0; }
+  void add(CacheFormat format);
+  std::string note() const;
+
+ private:
+  int seen_ = 0;
+};
+
+// A random paged cache of one format: its geometry and layout (combined, or split into a latent
+// and a rope part; entries and blocks sometimes padded apart), and its per-tensor fp8 scale or
+// fp8_ds_mla pow2 rounding.
 struct CacheLayout {
   CacheFormat format = CacheFormat::kBFloat16;
   int64_t L = 0, R = 0, block_size = 0, num_blocks = 0;
   bool split = false;
-  int64_t token_pad_bytes = 0;  // extra bytes after every entry (combined layout)
-  bool scaled = false;
+  int64_t token_pad_bytes = 0;       // after every entry (split: every latent part)
+  int64_t rope_token_pad_bytes = 0;  // split: after every rope part
+  int64_t block_pad_bytes = 0;       // after every block (both parts)
+  bool scaled = false;               // per-tensor fp8 with a scale pointer
+  bool pow2 = false;                 // fp8_ds_mla: tile scales rounded up to powers of two
 
   // At least `min_slots` slots in one of a few block sizes (1 to 128), a few blocks to spare.
   static CacheLayout draw(Rng& rng, CacheFormat format, int64_t L, int64_t R, int64_t min_slots);
   int64_t num_slots() const { return num_blocks * block_size; }
   // Bytes from one entry (split: latent part) to the next, and of the two buffers.
   int64_t entry_stride() const;
+  int64_t rope_entry_stride() const;  // split only
   size_t data_bytes() const;
   size_t rope_bytes() const;  // 0 unless split
   KVCacheView view(void* data, void* rope_data, const float* scale, Device device) const;
-  // "cache fp8_e4m3 split bs 16 blocks 7 scaled"
+  // "cache fp8_e4m3 split padded bs 16 blocks 7 scaled"
   std::string describe() const;
 };
 

@@ -31,10 +31,6 @@ const std::vector<ModelConfig>& model_configs() {
   return configs;
 }
 
-const CacheFormat kAllFormats[] = {CacheFormat::kBFloat16,   CacheFormat::kFloat16,
-                                   CacheFormat::kFloat32,    CacheFormat::kFloat8E4M3,
-                                   CacheFormat::kFloat8E5M2, CacheFormat::kFloat8DsMla};
-
 // Every buffer a case may use. Views are built over these for the reference (host copies) and
 // for each backend (device copies) with identical geometry.
 enum BufferId : int {
@@ -79,12 +75,7 @@ struct Case {
   DType table_dtype = DType::kFloat32;
   int64_t max_pos = 0, table_row_stride = 0;
   RopeStyle rope_style = RopeStyle::kGptJ;
-  CacheFormat format = CacheFormat::kBFloat16;
-  int64_t block_size = 0, num_blocks = 0;
-  bool split_cache = false;
-  int64_t token_pad_bytes = 0;  // extra bytes after every cache entry (combined layout)
-  bool cache_scale = false;     // per-tensor fp8 with a scale pointer
-  bool pow2 = false;
+  CacheLayout cache;
   bool joint_kv = false;  // kv_c and k_pe in one [rows, L + R + 8] buffer
   bool rms_norm = false;
   Alias k_pe_out = Alias::kNone;
@@ -110,9 +101,7 @@ struct Case {
     os << "seed " << seed << ": T " << T << " Td " << (device_td ? "device " : "") << Td
        << (device_td && device_td_value != Td ? "(given " + std::to_string(device_td_value) + ")"
                                               : "")
-       << " pad " << pad_rows << " " << dtype_name(model_dtype) << " cache "
-       << cache_format_name(format) << (split_cache ? " split" : "") << " bs " << block_size
-       << " blocks " << num_blocks << (cache_scale ? " scaled" : "") << (pow2 ? " pow2" : "") << " "
+       << " pad " << pad_rows << " " << dtype_name(model_dtype) << " " << cache.describe() << " "
        << rope_style_name(rope_style) << " table " << dtype_name(table_dtype)
        << (table_row_stride != R ? " strided" : "") << " idx " << dtype_name(index_dtype)
        << (rms_norm ? " rmsnorm" : "") << (joint_kv ? " joint-kv" : "");
@@ -120,7 +109,7 @@ struct Case {
     int64_t padding_slots = 0, slots_past = 0, positions_clamped = 0;
     for (int64_t t = 0; t < T; ++t) {
       padding_slots += slots[t] < 0 ? 1 : 0;
-      slots_past += slots[t] >= num_blocks * block_size ? 1 : 0;
+      slots_past += slots[t] >= cache.num_slots() ? 1 : 0;
       positions_clamped += positions[t] < 0 || positions[t] >= max_pos ? 1 : 0;
     }
     if (padding_slots > 0) os << " " << padding_slots << " padding slots";
@@ -148,12 +137,12 @@ Case make_case(const ModelConfig& model, uint64_t seed, int format_index) {
   c.L = model.L;
   c.R = model.R;
   c.P = model.P;
-  c.format = kAllFormats[format_index];
+  const CacheFormat format = kCacheFormats[format_index];
   const double dtype_roll = rng.uniform(0.0f, 1.0f);
   c.model_dtype =
       dtype_roll < 0.6 ? DType::kBFloat16 : (dtype_roll < 0.8 ? DType::kFloat16 : DType::kFloat32);
   // fp8_ds_mla stores the rope part as bf16: it takes a bf16 model only.
-  if (c.format == CacheFormat::kFloat8DsMla) c.model_dtype = DType::kBFloat16;
+  if (format == CacheFormat::kFloat8DsMla) c.model_dtype = DType::kBFloat16;
   c.T = rng.chance(0.15) ? rng.between(65, 300) : rng.between(1, 64);
   c.pad_rows = rng.chance(0.5) ? rng.between(1, 4) : 0;
   c.index_dtype = rng.chance(0.5) ? DType::kInt64 : DType::kInt32;
@@ -163,13 +152,7 @@ Case make_case(const ModelConfig& model, uint64_t seed, int format_index) {
   c.max_pos = rng.between(c.T + 1, 4096);
   c.table_row_stride = c.R + (rng.chance(0.2) ? 8 : 0);
   c.rope_style = rng.chance(0.5) ? RopeStyle::kGptJ : RopeStyle::kNeox;
-  const int64_t block_sizes[] = {1, 2, 3, 16, 17, 64, 128};
-  c.block_size = block_sizes[rng.below(7)];
-  c.num_blocks = (c.T + c.T / 2 + c.block_size - 1) / c.block_size + rng.between(1, 3);
-  c.split_cache = c.format != CacheFormat::kFloat8DsMla && rng.chance(0.25);
-  c.token_pad_bytes = !c.split_cache && rng.chance(0.2) ? 32 : 0;
-  c.cache_scale = cache_is_per_tensor_fp8(c.format) && rng.chance(0.85);
-  c.pow2 = c.format == CacheFormat::kFloat8DsMla && rng.chance(0.5);
+  c.cache = CacheLayout::draw(rng, format, c.L, c.R, c.T + c.T / 2);
   c.joint_kv = rng.chance(0.3);
   c.rms_norm = rng.chance(0.5);
   const Alias aliases[] = {Alias::kNone, Alias::kSeparate, Alias::kInPlace};
@@ -196,31 +179,10 @@ Case make_case(const ModelConfig& model, uint64_t seed, int format_index) {
   c.prefill_side = c.device_td || c.Td < c.T || rng.chance(0.2);
   if (c.prefill_side) c.q_prefill_out = rng.chance(0.4);
 
-  // Positions: random, a few outside [0, max_pos) (clamped and counted). Slots: distinct, a few
-  // padding (-1) and a few past the cache (skipped and counted); padding rows get wild values the
-  // op must never read.
-  const int64_t num_slots = c.num_blocks * c.block_size;
-  std::vector<int64_t> distinct = random_distinct_slots(c.T, num_slots, rng);
-  for (int64_t t = 0; t < c.rows(); ++t) {
-    if (t >= c.T) {
-      c.positions.push_back(-1000000 - t);
-      c.slots.push_back(num_slots * 100 + t);
-      continue;
-    }
-    int64_t pos = rng.below(c.max_pos);
-    if (rng.chance(0.03)) pos = rng.chance(0.5) ? -1 - rng.below(5) : c.max_pos + rng.below(5);
-    c.positions.push_back(pos);
-    int64_t slot = distinct[t];
-    if (rng.chance(0.08)) slot = -1;
-    if (rng.chance(0.04)) slot = num_slots + rng.below(100);
-    c.slots.push_back(slot);
-  }
+  // Positions and slots (check.h): a few clamped or skipped and counted, padding rows wild.
+  c.positions = draw_positions(rng, c.T, c.rows(), c.max_pos, c.index_dtype);
+  c.slots = draw_slots(rng, c.T, c.rows(), c.cache.num_slots(), c.index_dtype, true);
   return c;
-}
-
-int64_t cache_entry_stride(const Case& c) {
-  if (c.split_cache) return c.L * static_cast<int64_t>(dtype_size(cache_latent_dtype(c.format)));
-  return cache_entry_bytes(c.format, c.L, c.R) + c.token_pad_bytes;
 }
 
 // Bytes and initial contents of every buffer of a case, by BufferId (empty: not used).
@@ -231,32 +193,13 @@ std::vector<std::vector<uint8_t>> initial_buffers(const Case& c) {
   const size_t mb = c.model_bytes();
   b[kPositions] = index_bytes(c.positions, c.index_dtype);
   b[kSlots] = index_bytes(c.slots, c.index_dtype);
-  {
-    const std::vector<uint8_t> table = rope_table_bytes(c.max_pos, c.R, c.table_dtype);
-    const size_t tb = dtype_size(c.table_dtype);
-    std::vector<uint8_t> strided =
-        random_values(c.table_dtype, c.max_pos * c.table_row_stride, 1.0f, rng);
-    for (int64_t p = 0; p < c.max_pos; ++p) {
-      std::memcpy(strided.data() + p * c.table_row_stride * tb, table.data() + p * c.R * tb,
-                  c.R * tb);
-    }
-    b[kTable] = std::move(strided);
-  }
+  b[kTable] = strided_rope_table(c.max_pos, c.R, c.table_dtype, c.table_row_stride, rng);
   b[kKvC] = random_values(m, c.rows() * c.kv_row(), 2.0f, rng);
   if (!c.joint_kv) b[kKPe] = random_values(m, c.rows() * c.R, 2.0f, rng);
   if (c.rms_norm) b[kNormWeight] = random_values(m, c.L, 1.5f, rng);
-  const int64_t entry_stride = cache_entry_stride(c);
-  b[kCache].assign(static_cast<size_t>(c.num_blocks * c.block_size * entry_stride), kSentinelByte);
-  if (c.split_cache) {
-    b[kCacheRope].assign(static_cast<size_t>(c.num_blocks * c.block_size * c.R) *
-                             dtype_size(cache_rope_dtype(c.format)),
-                         kSentinelByte);
-  }
-  if (c.cache_scale) {
-    const float scale = rng.uniform(0.004f, 0.05f);
-    b[kCacheScale].resize(4);
-    std::memcpy(b[kCacheScale].data(), &scale, 4);
-  }
+  b[kCache].assign(c.cache.data_bytes(), kSentinelByte);
+  if (c.cache.split) b[kCacheRope].assign(c.cache.rope_bytes(), kSentinelByte);
+  if (c.cache.scaled) b[kCacheScale] = scale_bytes(rng);
   if (c.k_pe_out == Alias::kSeparate) b[kKPeOut].assign(c.rows() * c.R * mb, kPoisonByte);
   if (c.kv_c_out == Alias::kSeparate) b[kKvCOut].assign(c.rows() * c.L * mb, kPoisonByte);
   if (c.decode_side) {
@@ -270,11 +213,7 @@ std::vector<std::vector<uint8_t>> initial_buffers(const Case& c) {
     } else {
       b[kQOut] = random_values(c.q_out_dtype, dr * c.H * (c.L + c.R), 2.0f, rng);
     }
-    if (c.q_scale) {
-      const float scale = rng.uniform(0.004f, 0.05f);
-      b[kQScale].resize(4);
-      std::memcpy(b[kQScale].data(), &scale, 4);
-    }
+    if (c.q_scale) b[kQScale] = scale_bytes(rng);
   }
   if (c.prefill_side) {
     b[kQ] = random_values(m, c.rows() * c.H * (c.P + c.R), 2.0f, rng);
@@ -319,17 +258,8 @@ MlaRopeCacheParams build_params(const Case& c, const std::vector<void*>& base, D
     p.kv_norm_weight = make_view(base[kNormWeight], m, {c.L}, device);
     p.kv_norm_eps = 1e-6f;
   }
-  if (c.split_cache) {
-    p.kv_cache = make_split_cache_view(base[kCache], base[kCacheRope], c.format, c.num_blocks,
-                                       c.block_size, c.L, c.R, device);
-  } else {
-    p.kv_cache =
-        make_cache_view(base[kCache], c.format, c.num_blocks, c.block_size, c.L, c.R, device);
-    p.kv_cache.stride_token_bytes = cache_entry_stride(c);
-    p.kv_cache.stride_block_bytes = cache_entry_stride(c) * c.block_size;
-  }
-  if (c.cache_scale) p.kv_cache.scale = static_cast<const float*>(base[kCacheScale]);
-  p.kv_cache.ds_mla_pow2_scale = c.pow2;
+  p.kv_cache = c.cache.view(base[kCache], base[kCacheRope],
+                            static_cast<const float*>(base[kCacheScale]), device);
   if (c.k_pe_out == Alias::kSeparate) p.k_pe_out = make_view(base[kKPeOut], m, {rows, c.R}, device);
   if (c.k_pe_out == Alias::kInPlace) p.k_pe_out = p.k_pe;
   if (c.kv_c_out == Alias::kSeparate) p.kv_c_out = make_view(base[kKvCOut], m, {rows, c.L}, device);
@@ -358,55 +288,33 @@ class FusedFamily : public Family {
 
   void prepare(int config, int i, uint64_t seed) override {
     const ModelConfig& model = model_configs()[config];
-    if (i == 0) formats_seen_ = 0;
-    // Cycle through the cache formats (fp8_ds_mla only where L = 512, R = 64).
-    int format_index = i % 6;
-    if (format_index == 5 && (model.L != kDsMlaLatentDim || model.R != kDsMlaRopeDim)) {
-      format_index = static_cast<int>(seed % 5);
-    }
-    formats_seen_ |= 1 << format_index;
-    case_ = make_case(model, seed, format_index);
+    if (i == 0) formats_.reset();
+    case_ = make_case(model, seed, cycled_format_index(i, model.L, model.R, seed));
+    formats_.add(case_.cache.format);
     initial_ = initial_buffers(case_);
   }
   std::string describe() const override { return case_.describe(); }
 
   Run reference() const override {
-    Run run = empty_run();
-    run.result = initial_;
-    ref::mla_rope_cache(build_params(case_, host_pointers(&run), Device{}), run.counts.data());
-    return run;
+    return run_reference(initial_, buffer_name,
+                         [&](const std::vector<void*>& base, int32_t* counts) {
+                           ref::mla_rope_cache(build_params(case_, base, Device{}), counts);
+                         });
   }
 
   Run run(Device device) const override {
-    const DeviceCopies copies(initial_, device);
-    Buffer counts(device, kNumErrorCounters * sizeof(int32_t));
-    reset_error_counts(counts.as<int32_t>(), device);
-    Context ctx;
-    ctx.error_counts = counts.as<int32_t>();
-    mla_rope_cache(build_params(case_, copies.base, device), ctx);
-    device_synchronize(device);
-    Run run = empty_run();
-    read_error_counts(counts.as<int32_t>(), device, run.counts.data());
-    copies.read_back(initial_, &run);
-    return run;
+    return run_on(device, initial_, buffer_name,
+                  [&](const std::vector<void*>& base, const Context& ctx) {
+                    mla_rope_cache(build_params(case_, base, device), ctx);
+                  });
   }
 
-  std::string config_note(int /*config*/) const override {
-    int formats = 0;
-    for (int f = 0; f < 6; ++f) formats += (formats_seen_ >> f) & 1;
-    return "(" + std::to_string(formats) + " cache formats)";
-  }
+  std::string config_note(int /*config*/) const override { return formats_.note(); }
 
  private:
-  static Run empty_run() {
-    Run run;
-    run.names = buffer_name;
-    return run;
-  }
-
   Case case_;
   std::vector<std::vector<uint8_t>> initial_;  // by BufferId
-  int formats_seen_ = 0;
+  FormatTally formats_;
 };
 
 }  // namespace

@@ -37,10 +37,6 @@ const std::vector<GatherConfig>& gather_configs() {
   return configs;
 }
 
-const CacheFormat kGatherFormats[] = {CacheFormat::kBFloat16,   CacheFormat::kFloat16,
-                                      CacheFormat::kFloat32,    CacheFormat::kFloat8E4M3,
-                                      CacheFormat::kFloat8E5M2, CacheFormat::kFloat8DsMla};
-
 enum GatherBufferId : int {
   kGCache,
   kGCacheRope,
@@ -113,8 +109,9 @@ struct GatherCase {
   }
 };
 
-GatherCase make_gather_case(const GatherConfig& config, uint64_t seed, int format_index) {
-  Rng rng = case_rng(seed, config.name, static_cast<uint64_t>(format_index));
+// Case i of `config` (its cache format the i-th in turn, check.h).
+GatherCase make_gather_case(const GatherConfig& config, uint64_t seed, int i) {
+  Rng rng = case_rng(seed, config.name, static_cast<uint64_t>(i % kNumCacheFormats));
   GatherCase c;
   c.config = &config;
   c.seed = seed;
@@ -122,10 +119,7 @@ GatherCase make_gather_case(const GatherConfig& config, uint64_t seed, int forma
       config.op == GatherOp::kEither ? rng.chance(0.5) : config.op == GatherOp::kSequences;
   const int64_t L = config.L > 0 ? config.L : 16 * rng.between(1, 64);
   const int64_t R = config.R > 0 ? config.R : 2 * rng.between(1, 64);
-  if (L != kDsMlaLatentDim || R != kDsMlaRopeDim) {
-    if (format_index == 5) format_index = static_cast<int>(seed % 5);  // fp8_ds_mla: 512 + 64
-  }
-  const CacheFormat format = kGatherFormats[format_index];
+  const CacheFormat format = kCacheFormats[cycled_format_index(i, L, R, seed)];
   c.out_dtype = rng.chance(0.6) ? DType::kBFloat16 : DType::kFloat32;
   const double pad_roll = rng.uniform(0.0f, 1.0f);
   c.out_row_pad = pad_roll < 0.6 ? 0 : (pad_roll < 0.8 ? 8 : rng.between(1, 7));
@@ -135,19 +129,9 @@ GatherCase make_gather_case(const GatherConfig& config, uint64_t seed, int forma
     c.pad_rows = rng.chance(0.5) ? rng.between(1, 4) : 0;
     c.index_dtype = rng.chance(0.5) ? DType::kInt64 : DType::kInt32;
     c.cache = CacheLayout::draw(rng, format, L, R, c.N);
-    // Slots anywhere in the cache (repeats allowed: a read-back), a few padding (-1) and a few
-    // past the cache (zeros, counted); padding rows get wild values the op must never read.
-    for (int64_t i = 0; i < c.N + c.pad_rows; ++i) {
-      int64_t slot = rng.below(c.num_slots());
-      if (i >= c.N) {
-        slot = c.num_slots() * 100 + i;
-      } else if (rng.chance(0.08)) {
-        slot = -1 - rng.below(3);
-      } else if (rng.chance(0.04)) {
-        slot = c.num_slots() + rng.below(100);
-      }
-      c.slots.push_back(slot);
-    }
+    // Slots anywhere in the cache (repeats allowed: a read-back), a few bad ones (zeros; those
+    // past the cache counted), padding rows wild.
+    c.slots = draw_slots(rng, c.N, c.N + c.pad_rows, c.num_slots(), c.index_dtype, false);
     // out: N rows, sometimes more (left alone).
     c.out_rows = c.N + (rng.chance(0.3) ? rng.between(1, 3) : 0);
     return c;
@@ -179,7 +163,10 @@ GatherCase make_gather_case(const GatherConfig& config, uint64_t seed, int forma
     for (int64_t j = 0; j < c.table_row_stride; ++j) {
       int64_t id = rng.below(blocks);
       if (b < c.B && j < c.max_blocks && rng.chance(0.03)) {
-        id = rng.chance(0.5) ? -1 - rng.below(3) : blocks + rng.below(5);
+        const double roll = rng.uniform(0.0f, 1.0f);
+        id = roll < 0.4   ? -1 - rng.below(3)
+             : roll < 0.8 ? blocks + rng.below(5)
+                          : far_index(rng, blocks, DType::kInt32);
       }
       c.block_table.push_back(id);
     }
@@ -233,11 +220,7 @@ std::vector<std::vector<uint8_t>> gather_initial_buffers(const GatherCase& c) {
                   rope_row);
     }
   }
-  if (cache.scaled) {
-    const float scale = rng.uniform(0.004f, 0.05f);
-    b[kGCacheScale].resize(4);
-    std::memcpy(b[kGCacheScale].data(), &scale, 4);
-  }
+  if (cache.scaled) b[kGCacheScale] = scale_bytes(rng);
   if (c.sequences) {
     b[kGBlockTable] = index_bytes(c.block_table, DType::kInt32);
     b[kGCuSeqLens] = index_bytes(c.cu_seq_lens, DType::kInt32);
@@ -255,58 +238,38 @@ class GatherFamily : public Family {
   const char* config_name(int config) const override { return gather_configs()[config].name; }
 
   void prepare(int config, int i, uint64_t seed) override {
-    if (i == 0) formats_seen_ = 0;
-    case_ = make_gather_case(gather_configs()[config], seed, i % 6);
-    for (int f = 0; f < 6; ++f) {
-      if (kGatherFormats[f] == case_.cache.format) formats_seen_ |= 1 << f;
-    }
+    if (i == 0) formats_.reset();
+    case_ = make_gather_case(gather_configs()[config], seed, i);
+    formats_.add(case_.cache.format);
     initial_ = gather_initial_buffers(case_);
   }
   std::string describe() const override { return case_.describe(); }
 
   Run reference() const override {
-    Run run = empty_run();
-    run.result = initial_;
-    const std::vector<void*> base = host_pointers(&run);
-    if (case_.sequences) {
-      ref::gather_cache_sequences(sequences_params(base, Device{}), run.counts.data());
-    } else {
-      ref::gather_cache_slots(slots_params(base, Device{}), run.counts.data());
-    }
-    return run;
+    return run_reference(initial_, gather_buffer_name,
+                         [&](const std::vector<void*>& base, int32_t* counts) {
+                           if (case_.sequences) {
+                             ref::gather_cache_sequences(sequences_params(base, Device{}), counts);
+                           } else {
+                             ref::gather_cache_slots(slots_params(base, Device{}), counts);
+                           }
+                         });
   }
 
   Run run(Device device) const override {
-    const DeviceCopies copies(initial_, device);
-    Buffer counts(device, kNumErrorCounters * sizeof(int32_t));
-    reset_error_counts(counts.as<int32_t>(), device);
-    Context ctx;
-    ctx.error_counts = counts.as<int32_t>();
-    if (case_.sequences) {
-      gather_cache_sequences(sequences_params(copies.base, device), ctx);
-    } else {
-      gather_cache_slots(slots_params(copies.base, device), ctx);
-    }
-    device_synchronize(device);
-    Run run = empty_run();
-    read_error_counts(counts.as<int32_t>(), device, run.counts.data());
-    copies.read_back(initial_, &run);
-    return run;
+    return run_on(device, initial_, gather_buffer_name,
+                  [&](const std::vector<void*>& base, const Context& ctx) {
+                    if (case_.sequences) {
+                      gather_cache_sequences(sequences_params(base, device), ctx);
+                    } else {
+                      gather_cache_slots(slots_params(base, device), ctx);
+                    }
+                  });
   }
 
-  std::string config_note(int /*config*/) const override {
-    int formats = 0;
-    for (int f = 0; f < 6; ++f) formats += (formats_seen_ >> f) & 1;
-    return "(" + std::to_string(formats) + " cache formats)";
-  }
+  std::string config_note(int /*config*/) const override { return formats_.note(); }
 
  private:
-  static Run empty_run() {
-    Run run;
-    run.names = gather_buffer_name;
-    return run;
-  }
-
   TensorView out_view(const std::vector<void*>& base, Device device) const {
     const GatherCase& c = case_;
     const int64_t width = c.cache.L + c.cache.R;
@@ -339,7 +302,7 @@ class GatherFamily : public Family {
 
   GatherCase case_;
   std::vector<std::vector<uint8_t>> initial_;  // by GatherBufferId
-  int formats_seen_ = 0;
+  FormatTally formats_;
 };
 
 }  // namespace

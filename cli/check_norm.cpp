@@ -225,51 +225,46 @@ class NormFamily : public Family {
   std::string describe() const override { return case_.describe(); }
 
   Run reference() const override {
-    Run run;
-    run.names = norm_buffer_name;
-    run.result = initial_;
-    const NormViews v = norm_views(case_, host_pointers(&run), Device{});
-    ref::rmsnorm_quant(v.q);  // without a weight (the group quant) it only quantizes
-    if (case_.config->op == NormOp::kDual) {
-      RmsNormQuantParams kv;  // no quant: it only normalizes, into normed_out
-      kv.num_tokens = v.kv.num_tokens;
-      kv.input = v.kv.input;
-      kv.weight = v.kv.weight;
-      kv.eps = v.kv.eps;
-      kv.normed_out = v.kv.output;
-      ref::rmsnorm_quant(kv);
-    }
-    return run;
+    return run_reference(initial_, norm_buffer_name, [&](const std::vector<void*>& base, int32_t*) {
+      const NormViews v = norm_views(case_, base, Device{});
+      ref::rmsnorm_quant(v.q);  // without a weight (the group quant) it only quantizes
+      if (case_.config->op == NormOp::kDual) {
+        RmsNormQuantParams kv;  // no quant: it only normalizes, into normed_out
+        kv.num_tokens = v.kv.num_tokens;
+        kv.input = v.kv.input;
+        kv.weight = v.kv.weight;
+        kv.eps = v.kv.eps;
+        kv.normed_out = v.kv.output;
+        ref::rmsnorm_quant(kv);
+      }
+    });
   }
 
   Run run(Device device) const override {
-    const DeviceCopies copies(initial_, device);
-    const NormViews v = norm_views(case_, copies.base, device);
-    switch (case_.config->op) {
-      case NormOp::kRmsNormQuant:
-        rmsnorm_quant(v.q);
-        break;
-      case NormOp::kDual: {
-        MlaRmsNormQuantParams p;
-        p.q = v.q;
-        p.kv = v.kv;
-        mla_rmsnorm_quant(p);
-        break;
-      }
-      case NormOp::kGroupQuant: {
-        PerTokenGroupQuantParams p;
-        p.num_tokens = v.q.num_tokens;
-        p.input = v.q.input;
-        p.quant = v.q.quant;
-        per_token_group_quant_fp8(p);
-        break;
-      }
-    }
-    device_synchronize(device);
-    Run run;
-    run.names = norm_buffer_name;
-    copies.read_back(initial_, &run);
-    return run;
+    return run_on(device, initial_, norm_buffer_name,
+                  [&](const std::vector<void*>& base, const Context& ctx) {
+                    const NormViews v = norm_views(case_, base, device);
+                    switch (case_.config->op) {
+                      case NormOp::kRmsNormQuant:
+                        rmsnorm_quant(v.q, ctx);
+                        break;
+                      case NormOp::kDual: {
+                        MlaRmsNormQuantParams p;
+                        p.q = v.q;
+                        p.kv = v.kv;
+                        mla_rmsnorm_quant(p, ctx);
+                        break;
+                      }
+                      case NormOp::kGroupQuant: {
+                        PerTokenGroupQuantParams p;
+                        p.num_tokens = v.q.num_tokens;
+                        p.input = v.q.input;
+                        p.quant = v.q.quant;
+                        per_token_group_quant_fp8(p, ctx);
+                        break;
+                      }
+                    }
+                  });
   }
 
  private:

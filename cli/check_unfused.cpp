@@ -36,10 +36,6 @@ const std::vector<UnfusedConfig>& unfused_configs() {
   return configs;
 }
 
-const CacheFormat kUnfusedFormats[] = {CacheFormat::kBFloat16,   CacheFormat::kFloat16,
-                                       CacheFormat::kFloat32,    CacheFormat::kFloat8E4M3,
-                                       CacheFormat::kFloat8E5M2, CacheFormat::kFloat8DsMla};
-
 // Every buffer a case may use, named as the ops' params name them.
 enum UnfusedBufferId : int {
   kUPositions,
@@ -79,9 +75,12 @@ struct UnfusedCase {
   DType model = DType::kBFloat16;
   int64_t T = 0, pad_rows = 0;
   DType index_dtype = DType::kInt64;
-  // rotary_embedding: query [rows, Hq, head] at a head stride of head + head_pad (the MLA form:
-  // the rope part of q [rows, H, P + R]); key [rows, Hk, head] or absent (Hk = 0).
-  int64_t Hq = 0, Hk = 0, head = 0, head_pad = 0, rot_dim = 0, P = 0;
+  // rotary_embedding: query [rows, Hq, head] and key [rows, Hk, head] (absent: Hk = 0), their
+  // heads query_head_stride / key_head_stride apart and their rows row_pad elements more than
+  // their heads. The MLA form: query the rope part of q [rows, Hq, P + R], key the rope part of
+  // [kv_c | k_pe] rows [rows, L + R].
+  int64_t Hq = 0, Hk = 0, head = 0, head_pad = 0, key_head_pad = 0, row_pad = 0, rot_dim = 0;
+  int64_t P = 0;
   RopeStyle rope_style = RopeStyle::kGptJ;
   DType table_dtype = DType::kFloat32;
   int64_t max_pos = 0, table_row_stride = 0;
@@ -94,18 +93,23 @@ struct UnfusedCase {
   DType q_out_dtype = DType::kBFloat16;
   bool q_scale = false;
   bool ql_nope_in_place = false, q_pe_in_place = false;
-  // rms_norm: [rows, N], output separate or input itself.
-  int64_t N = 0;
+  // ql_nope as a bmm's transposed output ([H, rows, L] viewed as [rows, H, L]); q_pe as the rope
+  // part of q [rows, H, q_nope + R] (q_nope 0: its own tensor).
+  bool ql_nope_transposed = false;
+  int64_t q_nope = 0;
+  // rms_norm: [rows, N] rows input_stride / output_stride apart; output separate or input itself.
+  int64_t N = 0, input_stride = 0, output_stride = 0;
   bool norm_in_place = false;
   float eps = 1e-6f;
 
-  int64_t rows() const { return T + pad_rows; }
-  int64_t query_head_stride() const {
-    return op() == UnfusedOp::kRotaryMla ? P + R : head + head_pad;
-  }
-  int64_t key_row() const { return op() == UnfusedOp::kRotaryMla ? L + R : Hk * head; }
-  int64_t kv_row() const { return joint_kv ? L + R + 8 : L; }
   UnfusedOp op() const { return config->op; }
+  int64_t rows() const { return T + pad_rows; }
+  bool mla_rotary() const { return op() == UnfusedOp::kRotaryMla; }
+  int64_t query_head_stride() const { return mla_rotary() ? P + R : head + head_pad; }
+  int64_t query_row() const { return Hq * query_head_stride() + (mla_rotary() ? 0 : row_pad); }
+  int64_t key_head_stride() const { return head + key_head_pad; }
+  int64_t key_row() const { return mla_rotary() ? L + R : Hk * key_head_stride() + row_pad; }
+  int64_t kv_row() const { return joint_kv ? L + R + 8 : L; }
 
   std::string describe() const {
     std::ostringstream os;
@@ -115,8 +119,11 @@ struct UnfusedCase {
       case UnfusedOp::kRotaryMla: {
         int64_t clamped = 0;
         for (int64_t t = 0; t < T; ++t) clamped += positions[t] < 0 || positions[t] >= max_pos;
-        os << " Hq " << Hq << " Hk " << Hk << " head " << head << " (stride " << query_head_stride()
-           << ") rot_dim " << rot_dim << " " << rope_style_name(rope_style) << " table "
+        os << " Hq " << Hq << " Hk " << Hk << " head " << head << " (query heads "
+           << query_head_stride() << " apart, rows " << query_row() << ")";
+        if (Hk > 0)
+          os << " (key heads " << key_head_stride() << " apart, rows " << key_row() << ")";
+        os << " rot_dim " << rot_dim << " " << rope_style_name(rope_style) << " table "
            << dtype_name(table_dtype) << (table_row_stride != rot_dim ? " strided" : "") << " idx "
            << dtype_name(index_dtype);
         if (clamped > 0) os << " " << clamped << " positions clamped";
@@ -136,32 +143,25 @@ struct UnfusedCase {
       }
       case UnfusedOp::kQConcat:
         os << " H " << H << " L " << L << " R " << R << " q_out " << dtype_name(q_out_dtype)
-           << (q_scale ? " q_scale" : "") << (ql_nope_in_place ? " ql_nope in q_out" : "")
-           << (q_pe_in_place ? " q_pe in q_out" : "");
+           << (q_scale ? " q_scale" : "")
+           << (ql_nope_in_place     ? " ql_nope in q_out"
+               : ql_nope_transposed ? " ql_nope transposed"
+                                    : "")
+           << (q_pe_in_place ? " q_pe in q_out"
+               : q_nope > 0  ? " q_pe in q"
+                             : "");
         break;
       case UnfusedOp::kRmsNorm:
-        os << " N " << N << " eps " << eps << (norm_in_place ? " output=input" : " output");
+        os << " N " << N << " eps " << eps << " input rows " << input_stride
+           << (norm_in_place ? " output=input" : " output rows " + std::to_string(output_stride));
         break;
     }
     return os.str();
   }
 };
 
-// Positions in [0, max_pos), a few outside (clamped and counted); padding rows get wild values
-// the op must never read.
-void draw_positions(UnfusedCase* c, Rng& rng) {
-  c->max_pos = rng.between(c->T + 1, 4096);
-  for (int64_t t = 0; t < c->rows(); ++t) {
-    int64_t pos = t >= c->T ? -1000000 - t : rng.below(c->max_pos);
-    if (t < c->T && rng.chance(0.03)) {
-      pos = rng.chance(0.5) ? -1 - rng.below(5) : c->max_pos + rng.below(5);
-    }
-    c->positions.push_back(pos);
-  }
-}
-
-UnfusedCase make_unfused_case(const UnfusedConfig& config, uint64_t seed, int format_index) {
-  Rng rng = case_rng(seed, config.name, static_cast<uint64_t>(format_index));
+UnfusedCase make_unfused_case(const UnfusedConfig& config, uint64_t seed, int i) {
+  Rng rng = case_rng(seed, config.name, static_cast<uint64_t>(i % kNumCacheFormats));
   UnfusedCase c;
   c.config = &config;
   c.seed = seed;
@@ -178,11 +178,11 @@ UnfusedCase make_unfused_case(const UnfusedConfig& config, uint64_t seed, int fo
         c.rot_dim = 2 * rng.between(1, 64);
         c.head = c.rot_dim + (rng.chance(0.5) ? 0 : 2 * rng.between(1, 32));
         c.head_pad = rng.chance(0.3) ? rng.between(1, 8) : 0;
+        c.key_head_pad = rng.chance(0.3) ? rng.between(1, 8) : 0;
+        c.row_pad = rng.chance(0.3) ? rng.between(1, 16) : 0;
         c.Hq = rng.between(1, 16);
         c.Hk = rng.chance(0.3) ? 0 : rng.between(1, 4);
       } else {
-        // q [rows, H, P + R]: its rope part [rows, H, R] is the query; k_pe [rows, 1, R], the
-        // rope part of [kv_c | k_pe] rows, is the key.
         c.L = 512;
         c.R = c.rot_dim = c.head = 64;
         c.P = 128;
@@ -194,27 +194,21 @@ UnfusedCase make_unfused_case(const UnfusedConfig& config, uint64_t seed, int fo
       c.table_dtype = table_roll < 0.7    ? DType::kFloat32
                       : table_roll < 0.85 ? DType::kBFloat16
                                           : DType::kFloat16;
-      draw_positions(&c, rng);
+      c.max_pos = rng.between(c.T + 1, 4096);
+      c.positions = draw_positions(rng, c.T, c.rows(), c.max_pos, c.index_dtype);
       c.table_row_stride = c.rot_dim + (rng.chance(0.2) ? 8 : 0);
       break;
     }
     case UnfusedOp::kConcat: {
-      const bool ds_mla = format_index == 5;
-      const bool small = !ds_mla && rng.chance(0.3);
+      const bool small = rng.chance(0.3);
       c.L = small ? 256 : 512;
       c.R = small ? 32 : 64;
-      const CacheFormat format = kUnfusedFormats[format_index];
+      const CacheFormat format = kCacheFormats[cycled_format_index(i, c.L, c.R, seed)];
       // fp8_ds_mla stores the rope part as bf16: it takes a bf16 model only.
       if (format == CacheFormat::kFloat8DsMla) c.model = DType::kBFloat16;
       c.cache = CacheLayout::draw(rng, format, c.L, c.R, c.T + c.T / 2);
       c.joint_kv = rng.chance(0.3);
-      const std::vector<int64_t> distinct = random_distinct_slots(c.T, c.cache.num_slots(), rng);
-      for (int64_t t = 0; t < c.rows(); ++t) {
-        int64_t slot = t >= c.T ? c.cache.num_slots() * 100 + t : distinct[t];
-        if (t < c.T && rng.chance(0.08)) slot = -1;
-        if (t < c.T && rng.chance(0.04)) slot = c.cache.num_slots() + rng.below(100);
-        c.slots.push_back(slot);
-      }
+      c.slots = draw_slots(rng, c.T, c.rows(), c.cache.num_slots(), c.index_dtype, true);
       break;
     }
     case UnfusedOp::kQConcat: {
@@ -230,13 +224,21 @@ UnfusedCase make_unfused_case(const UnfusedConfig& config, uint64_t seed, int fo
         c.ql_nope_in_place = rng.chance(0.4);
         c.q_pe_in_place = rng.chance(0.4);
       }
+      c.ql_nope_transposed = !c.ql_nope_in_place && rng.chance(0.4);
+      if (!c.q_pe_in_place && rng.chance(0.4)) c.q_nope = 128;
       break;
     }
     case UnfusedOp::kRmsNorm: {
       const int64_t widths[] = {512, 1536, 7168};
       c.N = rng.chance(0.5) ? widths[rng.below(3)] : rng.between(1, 4096);
       c.norm_in_place = rng.chance(0.3);
-      c.eps = rng.chance(0.2) ? 1e-5f : 1e-6f;
+      // kv_c as the latent part of kv_a_proj's [T, L + R] rows, or any row stride.
+      const double stride_roll = rng.uniform(0.0f, 1.0f);
+      c.input_stride =
+          stride_roll < 0.5 ? c.N : c.N + (stride_roll < 0.75 ? 64 : rng.between(1, 9));
+      c.output_stride =
+          c.norm_in_place ? c.input_stride : c.N + (rng.chance(0.3) ? rng.between(1, 9) : 0);
+      c.eps = rng.chance(0.1) ? 0.0f : rng.chance(0.2) ? 1e-5f : 1e-6f;
       break;
     }
   }
@@ -251,52 +253,41 @@ std::vector<std::vector<uint8_t>> unfused_initial_buffers(const UnfusedCase& c) 
   const int64_t rows = c.rows();
   switch (c.op()) {
     case UnfusedOp::kRotary:
-    case UnfusedOp::kRotaryMla: {
+    case UnfusedOp::kRotaryMla:
       b[kUPositions] = index_bytes(c.positions, c.index_dtype);
-      const std::vector<uint8_t> table = rope_table_bytes(c.max_pos, c.rot_dim, c.table_dtype);
-      const size_t tb = dtype_size(c.table_dtype);
-      b[kUTable] = random_values(c.table_dtype, c.max_pos * c.table_row_stride, 1.0f, rng);
-      for (int64_t p = 0; p < c.max_pos; ++p) {
-        std::memcpy(b[kUTable].data() + p * c.table_row_stride * tb,
-                    table.data() + p * c.rot_dim * tb, c.rot_dim * tb);
-      }
-      b[kUQuery] = random_values(m, rows * c.Hq * c.query_head_stride(), 2.0f, rng);
+      b[kUTable] = strided_rope_table(c.max_pos, c.rot_dim, c.table_dtype, c.table_row_stride, rng);
+      b[kUQuery] = random_values(m, rows * c.query_row(), 2.0f, rng);
       if (c.Hk > 0) b[kUKey] = random_values(m, rows * c.key_row(), 2.0f, rng);
       break;
-    }
     case UnfusedOp::kConcat:
       b[kUSlots] = index_bytes(c.slots, c.index_dtype);
       b[kUKvC] = random_values(m, rows * c.kv_row(), 2.0f, rng);
       if (!c.joint_kv) b[kUKPe] = random_values(m, rows * c.R, 2.0f, rng);
       b[kUCache].assign(c.cache.data_bytes(), kSentinelByte);
       if (c.cache.split) b[kUCacheRope].assign(c.cache.rope_bytes(), kSentinelByte);
-      if (c.cache.scaled) {
-        const float scale = rng.uniform(0.004f, 0.05f);
-        b[kUCacheScale].resize(4);
-        std::memcpy(b[kUCacheScale].data(), &scale, 4);
-      }
+      if (c.cache.scaled) b[kUCacheScale] = scale_bytes(rng);
       break;
     case UnfusedOp::kQConcat: {
-      const int64_t out_elems = rows * c.H * (c.L + c.R);
-      // A part in place is an input: q_out then holds random values, else it is poisoned.
-      if (c.ql_nope_in_place || c.q_pe_in_place) {
-        b[kUQOut] = random_values(c.q_out_dtype, out_elems, 2.0f, rng);
-      } else {
-        b[kUQOut].assign(static_cast<size_t>(out_elems) * dtype_size(c.q_out_dtype), kPoisonByte);
+      const int64_t width = c.L + c.R;
+      const size_t ob = dtype_size(c.q_out_dtype);
+      // The parts in place are inputs (random); every other byte of q_out is poisoned.
+      b[kUQOut] = random_values(c.q_out_dtype, rows * c.H * width, 2.0f, rng);
+      for (int64_t h = 0; h < rows * c.H; ++h) {
+        uint8_t* row = b[kUQOut].data() + h * width * ob;
+        if (!c.ql_nope_in_place) std::fill(row, row + c.L * ob, kPoisonByte);
+        if (!c.q_pe_in_place) std::fill(row + c.L * ob, row + width * ob, kPoisonByte);
       }
       if (!c.ql_nope_in_place) b[kUQlNope] = random_values(m, rows * c.H * c.L, 2.0f, rng);
-      if (!c.q_pe_in_place) b[kUQPe] = random_values(m, rows * c.H * c.R, 2.0f, rng);
-      if (c.q_scale) {
-        const float scale = rng.uniform(0.004f, 0.05f);
-        b[kUQScale].resize(4);
-        std::memcpy(b[kUQScale].data(), &scale, 4);
-      }
+      if (!c.q_pe_in_place) b[kUQPe] = random_values(m, rows * c.H * (c.q_nope + c.R), 2.0f, rng);
+      if (c.q_scale) b[kUQScale] = scale_bytes(rng);
       break;
     }
     case UnfusedOp::kRmsNorm:
-      b[kUInput] = random_values(m, rows * c.N, 2.0f, rng);
+      b[kUInput] = random_values(m, rows * c.input_stride, 2.0f, rng);
       b[kUWeight] = random_values(m, c.N, 1.5f, rng);
-      if (!c.norm_in_place) b[kUOutput].assign(static_cast<size_t>(rows * c.N) * mb, kPoisonByte);
+      if (!c.norm_in_place) {
+        b[kUOutput].assign(static_cast<size_t>(rows * c.output_stride) * mb, kPoisonByte);
+      }
       break;
   }
   return b;
@@ -312,14 +303,15 @@ RotaryEmbeddingParams rotary_params(const UnfusedCase& c, const std::vector<void
                                       {c.table_row_stride, 1}, device);
   p.rope_style = c.rope_style;
   const size_t mb = dtype_size(c.model);
-  const int64_t hs = c.query_head_stride();
   uint8_t* query = static_cast<uint8_t*>(base[kUQuery]);
-  if (c.op() == UnfusedOp::kRotaryMla) query += c.P * mb;
-  p.query = make_strided_view(query, c.model, {rows, c.Hq, c.head}, {c.Hq * hs, hs, 1}, device);
+  if (c.mla_rotary()) query += c.P * mb;
+  p.query = make_strided_view(query, c.model, {rows, c.Hq, c.head},
+                              {c.query_row(), c.query_head_stride(), 1}, device);
   if (c.Hk > 0) {
     uint8_t* key = static_cast<uint8_t*>(base[kUKey]);
-    if (c.op() == UnfusedOp::kRotaryMla) key += c.L * mb;
-    p.key = make_strided_view(key, c.model, {rows, c.Hk, c.head}, {c.key_row(), c.head, 1}, device);
+    if (c.mla_rotary()) key += c.L * mb;
+    p.key = make_strided_view(key, c.model, {rows, c.Hk, c.head},
+                              {c.key_row(), c.key_head_stride(), 1}, device);
   }
   return p;
 }
@@ -346,20 +338,26 @@ DecodeQConcatParams q_concat_params(const UnfusedCase& c, const std::vector<void
                                     Device device) {
   const int64_t rows = c.rows();
   const int64_t width = c.L + c.R;
+  const size_t mb = dtype_size(c.model);
   DecodeQConcatParams p;
   p.num_tokens = c.T;
   p.q_out = make_view(base[kUQOut], c.q_out_dtype, {rows, c.H, width}, device);
   if (c.ql_nope_in_place) {
     p.ql_nope =
         make_strided_view(base[kUQOut], c.model, {rows, c.H, c.L}, {c.H * width, width, 1}, device);
+  } else if (c.ql_nope_transposed) {
+    p.ql_nope =
+        make_strided_view(base[kUQlNope], c.model, {rows, c.H, c.L}, {c.L, rows * c.L, 1}, device);
   } else {
     p.ql_nope = make_view(base[kUQlNope], c.model, {rows, c.H, c.L}, device);
   }
   if (c.q_pe_in_place) {
-    p.q_pe = make_strided_view(static_cast<uint8_t*>(base[kUQOut]) + c.L * dtype_size(c.model),
-                               c.model, {rows, c.H, c.R}, {c.H * width, width, 1}, device);
+    p.q_pe = make_strided_view(static_cast<uint8_t*>(base[kUQOut]) + c.L * mb, c.model,
+                               {rows, c.H, c.R}, {c.H * width, width, 1}, device);
   } else {
-    p.q_pe = make_view(base[kUQPe], c.model, {rows, c.H, c.R}, device);
+    const int64_t q_width = c.q_nope + c.R;
+    p.q_pe = make_strided_view(static_cast<uint8_t*>(base[kUQPe]) + c.q_nope * mb, c.model,
+                               {rows, c.H, c.R}, {c.H * q_width, q_width, 1}, device);
   }
   if (c.q_scale) p.q_scale = static_cast<const float*>(base[kUQScale]);
   return p;
@@ -368,11 +366,12 @@ DecodeQConcatParams q_concat_params(const UnfusedCase& c, const std::vector<void
 RmsNormParams rms_norm_params(const UnfusedCase& c, const std::vector<void*>& base, Device device) {
   RmsNormParams p;
   p.num_tokens = c.T;
-  p.input = make_view(base[kUInput], c.model, {c.rows(), c.N}, device);
+  p.input = make_strided_view(base[kUInput], c.model, {c.rows(), c.N}, {c.input_stride, 1}, device);
   p.weight = make_view(base[kUWeight], c.model, {c.N}, device);
   p.eps = c.eps;
-  p.output =
-      c.norm_in_place ? p.input : make_view(base[kUOutput], c.model, {c.rows(), c.N}, device);
+  p.output = c.norm_in_place ? p.input
+                             : make_strided_view(base[kUOutput], c.model, {c.rows(), c.N},
+                                                 {c.output_stride, 1}, device);
   return p;
 }
 
@@ -382,69 +381,55 @@ class UnfusedFamily : public Family {
   const char* config_name(int config) const override { return unfused_configs()[config].name; }
 
   void prepare(int config, int i, uint64_t seed) override {
-    case_ = make_unfused_case(unfused_configs()[config], seed, i % 6);
+    case_ = make_unfused_case(unfused_configs()[config], seed, i);
     initial_ = unfused_initial_buffers(case_);
   }
   std::string describe() const override { return case_.describe(); }
 
   Run reference() const override {
-    Run run = empty_run();
-    run.result = initial_;
-    const std::vector<void*> base = host_pointers(&run);
-    const Device host{};
-    switch (case_.op()) {
-      case UnfusedOp::kRotary:
-      case UnfusedOp::kRotaryMla:
-        ref::rotary_embedding(rotary_params(case_, base, host), run.counts.data());
-        break;
-      case UnfusedOp::kConcat:
-        ref::concat_and_cache_mla(concat_params(case_, base, host), run.counts.data());
-        break;
-      case UnfusedOp::kQConcat:
-        ref::decode_q_concat(q_concat_params(case_, base, host));
-        break;
-      case UnfusedOp::kRmsNorm:
-        ref::rms_norm(rms_norm_params(case_, base, host));
-        break;
-    }
-    return run;
+    return run_reference(initial_, unfused_buffer_name,
+                         [&](const std::vector<void*>& base, int32_t* counts) {
+                           const Device host{};
+                           switch (case_.op()) {
+                             case UnfusedOp::kRotary:
+                             case UnfusedOp::kRotaryMla:
+                               ref::rotary_embedding(rotary_params(case_, base, host), counts);
+                               break;
+                             case UnfusedOp::kConcat:
+                               ref::concat_and_cache_mla(concat_params(case_, base, host), counts);
+                               break;
+                             case UnfusedOp::kQConcat:
+                               ref::decode_q_concat(q_concat_params(case_, base, host));
+                               break;
+                             case UnfusedOp::kRmsNorm:
+                               ref::rms_norm(rms_norm_params(case_, base, host));
+                               break;
+                           }
+                         });
   }
 
   Run run(Device device) const override {
-    const DeviceCopies copies(initial_, device);
-    Buffer counts(device, kNumErrorCounters * sizeof(int32_t));
-    reset_error_counts(counts.as<int32_t>(), device);
-    Context ctx;
-    ctx.error_counts = counts.as<int32_t>();
-    switch (case_.op()) {
-      case UnfusedOp::kRotary:
-      case UnfusedOp::kRotaryMla:
-        rotary_embedding(rotary_params(case_, copies.base, device), ctx);
-        break;
-      case UnfusedOp::kConcat:
-        concat_and_cache_mla(concat_params(case_, copies.base, device), ctx);
-        break;
-      case UnfusedOp::kQConcat:
-        decode_q_concat(q_concat_params(case_, copies.base, device), ctx);
-        break;
-      case UnfusedOp::kRmsNorm:
-        rms_norm(rms_norm_params(case_, copies.base, device), ctx);
-        break;
-    }
-    device_synchronize(device);
-    Run run = empty_run();
-    read_error_counts(counts.as<int32_t>(), device, run.counts.data());
-    copies.read_back(initial_, &run);
-    return run;
+    return run_on(device, initial_, unfused_buffer_name,
+                  [&](const std::vector<void*>& base, const Context& ctx) {
+                    switch (case_.op()) {
+                      case UnfusedOp::kRotary:
+                      case UnfusedOp::kRotaryMla:
+                        rotary_embedding(rotary_params(case_, base, device), ctx);
+                        break;
+                      case UnfusedOp::kConcat:
+                        concat_and_cache_mla(concat_params(case_, base, device), ctx);
+                        break;
+                      case UnfusedOp::kQConcat:
+                        decode_q_concat(q_concat_params(case_, base, device), ctx);
+                        break;
+                      case UnfusedOp::kRmsNorm:
+                        rms_norm(rms_norm_params(case_, base, device), ctx);
+                        break;
+                    }
+                  });
   }
 
  private:
-  static Run empty_run() {
-    Run run;
-    run.names = unfused_buffer_name;
-    return run;
-  }
-
   UnfusedCase case_;
   std::vector<std::vector<uint8_t>> initial_;  // by UnfusedBufferId
 };

@@ -4,14 +4,16 @@
 // must then report a mismatch and exit non-zero (the cli.fault.* ctest entries). A check that
 // cannot see a wrong byte is the defect these tests exist to find.
 //
-//   MLAKV_FAULT=<op>[@cuda]:<what>[:last]
+//   MLAKV_FAULT=<op>[@cuda]:<what>[:last|:past]
 //     op    mla_rope_cache, concat_and_cache_mla, decode_q_concat, rotary_embedding, rms_norm,
 //           rmsnorm_quant, mla_rmsnorm_quant, per_token_group_quant_fp8, gather_cache_slots,
 //           gather_cache_sequences (the library), ref.mla_rope_cache, ref.rmsnorm_quant,
 //           ref.rms_norm, ref.gather_cache_slots (the host reference)
 //     what  a buffer of the op's params (named as in its struct; mla_rmsnorm_quant: kv_c and
 //           kv_c_out for its kv half, else its q half's names): one byte of it is flipped after the
-//           op ran (its first byte, or its last with `:last`); `counter`: error counter 0 gains
+//           op ran (its first byte, its last with `:last`, or with `:past` the byte after its
+//           last, outside the view: only `check`, whose buffers have spare bytes after their
+//           ends, may be asked for that); `counter`: error counter 0 gains
 //           one; `throw`: the op throws mlakv::Error; `skip`: the op is not run at all. A name
 //           the op does not fault (a misspelling) makes it throw "has no buffer" after it ran.
 //     @cuda the byte or counter is changed only where it lies in CUDA device memory, so that
@@ -41,6 +43,7 @@ namespace {
 struct Fault {
   std::string op, what;
   bool last = false;
+  bool past = false;       // the byte after the last
   bool cuda_only = false;  // @cuda
 };
 
@@ -63,11 +66,12 @@ Fault requested_fault() {
     MLAKV_CHECK(f.what != "throw" && f.what != "skip", "MLAKV_FAULT: @cuda changes a buffer or ",
                 "counter, not '", f.what, "'");
   }
-  const std::string suffix = ":last";
-  if (f.what.size() > suffix.size() &&
-      f.what.compare(f.what.size() - suffix.size(), suffix.size(), suffix) == 0) {
-    f.what.resize(f.what.size() - suffix.size());
-    f.last = true;
+  for (const std::string suffix : {":last", ":past"}) {
+    if (f.what.size() > suffix.size() &&
+        f.what.compare(f.what.size() - suffix.size(), suffix.size(), suffix) == 0) {
+      f.what.resize(f.what.size() - suffix.size());
+      (suffix == ":last" ? f.last : f.past) = true;
+    }
   }
   return f;
 }
@@ -127,22 +131,23 @@ void flip(void* data, int64_t offset_bytes) {
   modify(static_cast<uint8_t*>(data) + offset_bytes, [](uint8_t& b) { b ^= 0x01; });
 }
 
-// Flips the first or the last byte a view spans; an absent view is left alone (a fault that
-// changes nothing fails its test).
+// Flips the first or the last byte a view spans, or the one after it; an absent view is left
+// alone (a fault that changes nothing fails its test).
 void flip(const mlakv::TensorView& v) {
   if (!v.present() || v.numel() == 0) return;
   int64_t offset = 0;
-  if (fault().last) {
+  if (fault().last || fault().past) {
     const int64_t elem = static_cast<int64_t>(mlakv::dtype_size(v.dtype));
     for (int d = 0; d < v.ndim; ++d) offset += (v.shape[d] - 1) * v.stride[d] * elem;
-    offset += elem - 1;
+    offset += fault().past ? elem : elem - 1;
   }
   flip(v.data, offset);
 }
 
-// Flips the first or the last byte of the (latent or combined) cache.
+// Flips the first or the last byte of the (latent or combined) cache, or the one after it.
 void flip(const mlakv::KVCacheView& c) {
-  flip(c.data, fault().last ? c.num_blocks * c.stride_block_bytes - 1 : 0);
+  const int64_t end = c.num_blocks * c.stride_block_bytes;
+  flip(c.data, fault().past ? end : fault().last ? end - 1 : 0);
 }
 
 // Before the op: throw or skip it. Returns whether the op is to run.
@@ -220,6 +225,11 @@ void corrupt(const char* op, const mlakv::RmsNormQuantParams& p) {
                   {"scales", &p.quant.scales}});
 }
 
+void corrupt(const char* op, const mlakv::RotaryEmbeddingParams& p) {
+  if (!faulting(op)) return;
+  flip_named(op, {{"query", &p.query}, {"key", &p.key}});
+}
+
 void corrupt(const char* op, const mlakv::RmsNormParams& p) {
   if (!faulting(op)) return;
   flip_named(op, {{"input", &p.input}, {"output", &p.output}});
@@ -263,8 +273,7 @@ MLAKV_FAULT_WRAP(_ZN5mlakv15decode_q_concatERKNS_19DecodeQConcatParamsERKNS_7Con
                  mlakv::DecodeQConcatParams, "decode_q_concat",
                  corrupt_one("decode_q_concat", "q_out", p.q_out))
 MLAKV_FAULT_WRAP(_ZN5mlakv16rotary_embeddingERKNS_21RotaryEmbeddingParamsERKNS_7ContextE,
-                 mlakv::RotaryEmbeddingParams, "rotary_embedding",
-                 corrupt_one("rotary_embedding", "query", p.query))
+                 mlakv::RotaryEmbeddingParams, "rotary_embedding", corrupt("rotary_embedding", p))
 MLAKV_FAULT_WRAP(_ZN5mlakv8rms_normERKNS_13RmsNormParamsERKNS_7ContextE, mlakv::RmsNormParams,
                  "rms_norm", corrupt("rms_norm", p))
 MLAKV_FAULT_WRAP(_ZN5mlakv13rmsnorm_quantERKNS_18RmsNormQuantParamsERKNS_7ContextE,
