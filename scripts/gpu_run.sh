@@ -155,6 +155,11 @@ stage_sanitize() {
     grep -E "ERROR SUMMARY|RACECHECK SUMMARY|tests? (ran|PASSED|FAILED)|\[  (PASSED|FAILED)" \
       "$LOGS/$tool.log" | tail -4 | tee -a "$SUMMARY"
   done
+  # `mlakv check`'s random layouts, indices and shapes (every op) under memcheck, a few seeds.
+  run_logged "compute-sanitizer memcheck: mlakv check" "$LOGS/memcheck_check.log" \
+    compute-sanitizer --tool memcheck --error-exitcode 1 --print-limit 20 \
+    "$BUILD_DIR/mlakv" check --backend cuda --seeds 4 || rc=1
+  grep -E "ERROR SUMMARY|^summary" "$LOGS/memcheck_check.log" | tee -a "$SUMMARY"
   return $rc
 }
 
