@@ -114,6 +114,11 @@ std::vector<int64_t> draw_positions(Rng& rng, int64_t T, int64_t rows, int64_t m
   return positions;
 }
 
+DType draw_model_dtype(Rng& rng) {
+  const double roll = rng.uniform(0.0f, 1.0f);
+  return roll < 0.6 ? DType::kBFloat16 : (roll < 0.8 ? DType::kFloat16 : DType::kFloat32);
+}
+
 std::vector<uint8_t> scale_bytes(Rng& rng) {
   const float scale = rng.uniform(0.004f, 0.05f);
   std::vector<uint8_t> b(sizeof(float));

@@ -16,7 +16,7 @@ namespace mlakv {
 namespace cli {
 namespace check {
 
-constexpr uint8_t kPoisonByte = 0xA5;    // outputs before the op: every byte must be written
+constexpr uint8_t kPoisonByte = 0xA5;    // the outputs' bytes before the op
 constexpr uint8_t kSentinelByte = 0x5C;  // bytes the op must leave alone
 
 // An optional output: absent, its own buffer, or the input it replaces (in place).
@@ -93,6 +93,9 @@ std::vector<int64_t> draw_positions(Rng& rng, int64_t T, int64_t rows, int64_t m
                                     DType index_dtype);
 // An index far out of range of [0, n) for `index_dtype` (int32 or int64).
 int64_t far_index(Rng& rng, int64_t n, DType index_dtype);
+
+// A model dtype: bfloat16 (60 %), float16 (20 %) or float32.
+DType draw_model_dtype(Rng& rng);
 
 // A random fp32 scale in [0.004, 0.05) as its 4 bytes (a cache's or q_out's per-tensor scale).
 std::vector<uint8_t> scale_bytes(Rng& rng);

@@ -138,9 +138,7 @@ Case make_case(const ModelConfig& model, uint64_t seed, int format_index) {
   c.R = model.R;
   c.P = model.P;
   const CacheFormat format = kCacheFormats[format_index];
-  const double dtype_roll = rng.uniform(0.0f, 1.0f);
-  c.model_dtype =
-      dtype_roll < 0.6 ? DType::kBFloat16 : (dtype_roll < 0.8 ? DType::kFloat16 : DType::kFloat32);
+  c.model_dtype = draw_model_dtype(rng);
   // fp8_ds_mla stores the rope part as bf16: it takes a bf16 model only.
   if (format == CacheFormat::kFloat8DsMla) c.model_dtype = DType::kBFloat16;
   c.T = rng.chance(0.15) ? rng.between(65, 300) : rng.between(1, 64);

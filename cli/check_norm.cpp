@@ -109,9 +109,7 @@ NormCase make_norm_case(const NormConfig& config, uint64_t seed) {
   NormCase c;
   c.config = &config;
   c.seed = seed;
-  const double dtype_roll = rng.uniform(0.0f, 1.0f);
-  c.model =
-      dtype_roll < 0.6 ? DType::kBFloat16 : (dtype_roll < 0.8 ? DType::kFloat16 : DType::kFloat32);
+  c.model = draw_model_dtype(rng);
   // T: mostly small; sometimes large. For the widths of the CUDA exact-fit kernel (N <= 1536) a
   // large T crosses its thread-form thresholds (T = 1056 / 1536 / 2048 / 4096,
   // docs/rmsnorm_quant.md); the wider rows stay below 1200 tokens (the reference is scalar).

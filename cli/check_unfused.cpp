@@ -165,9 +165,7 @@ UnfusedCase make_unfused_case(const UnfusedConfig& config, uint64_t seed, int i)
   UnfusedCase c;
   c.config = &config;
   c.seed = seed;
-  const double dtype_roll = rng.uniform(0.0f, 1.0f);
-  c.model =
-      dtype_roll < 0.6 ? DType::kBFloat16 : (dtype_roll < 0.8 ? DType::kFloat16 : DType::kFloat32);
+  c.model = draw_model_dtype(rng);
   c.T = rng.chance(0.15) ? rng.between(65, 300) : rng.between(1, 64);
   c.pad_rows = rng.chance(0.5) ? rng.between(1, 4) : 0;
   c.index_dtype = rng.chance(0.5) ? DType::kInt64 : DType::kInt32;
