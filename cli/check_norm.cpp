@@ -78,6 +78,10 @@ struct NormCase {
   float scale_floor = kDefaultScaleFloor;
   // Leading rows of zeros (their scales are the floor; the dual form: kv_c's rows too).
   int64_t zero_rows = 0;
+  // The input's rows lie input_stride elements apart (the dual form's kv_c's, kv_stride). joint:
+  // the dual form's q_c and kv_c share rows [q_c | kv_c | k_pe], as fused_qkv_a_proj writes them.
+  int64_t input_stride = 0, kv_stride = kKvWidth;
+  bool joint = false;
 
   int64_t rows() const { return T + pad_rows; }
   int64_t groups() const { return N / G; }
@@ -100,6 +104,12 @@ struct NormCase {
       os << (kv_out == Alias::kInPlace ? " kv_c_out=kv_c" : " kv_c_out");
     }
     if (zero_rows > 0) os << " " << zero_rows << " zero rows";
+    if (joint) {
+      os << " joint q_c|kv_c rows " << input_stride;
+    } else {
+      if (input_stride != N) os << " input rows " << input_stride;
+      if (kv_stride != kKvWidth) os << " kv_c rows " << kv_stride;
+    }
     return os.str();
   }
 };
@@ -144,6 +154,16 @@ NormCase make_norm_case(const NormConfig& config, uint64_t seed) {
   c.eps = rng.chance(0.2) ? 1e-5f : 1e-6f;
   if (rng.chance(0.2)) c.scale_floor = rng.uniform(1e-4f, 1e-2f);
   c.zero_rows = rng.chance(0.15) ? std::min<int64_t>(c.T, rng.between(1, 3)) : 0;
+  if (config.op == NormOp::kDual && rng.chance(0.4)) {
+    c.joint = true;
+    c.input_stride = c.kv_stride = c.N + kKvWidth + 64;
+  } else {
+    const double roll = rng.uniform(0.0f, 1.0f);
+    // Rows 16-byte aligned, as the ops ask.
+    const int64_t align = 16 / static_cast<int64_t>(dtype_size(c.model));
+    c.input_stride = roll < 0.6 ? c.N : (roll < 0.8 ? c.N + 64 : c.N + align * rng.between(1, 3));
+    if (config.op == NormOp::kDual && rng.chance(0.3)) c.kv_stride = kKvWidth + 64;
+  }
   return c;
 }
 
@@ -152,8 +172,8 @@ std::vector<std::vector<uint8_t>> norm_initial_buffers(const NormCase& c) {
   std::vector<std::vector<uint8_t>> b(kNumNormBuffers);
   const size_t mb = dtype_size(c.model);
   const int64_t rows = c.rows();
-  b[kNInput] = random_values(c.model, rows * c.N, 2.0f, rng);
-  std::fill(b[kNInput].begin(), b[kNInput].begin() + c.zero_rows * c.N * mb, uint8_t{0});
+  b[kNInput] = random_values(c.model, rows * c.input_stride, 2.0f, rng);
+  std::fill(b[kNInput].begin(), b[kNInput].begin() + c.zero_rows * c.input_stride * mb, uint8_t{0});
   if (c.config->op != NormOp::kGroupQuant) b[kNWeight] = random_values(c.model, c.N, 1.5f, rng);
   if (c.residual) {
     b[kNResidual] = random_values(c.model, rows * c.N, 2.0f, rng);
@@ -163,8 +183,11 @@ std::vector<std::vector<uint8_t>> norm_initial_buffers(const NormCase& c) {
   b[kNValues].assign(static_cast<size_t>(rows * c.N), kPoisonByte);
   b[kNScales].assign(static_cast<size_t>(c.scale_floats()) * 4, kPoisonByte);
   if (c.config->op == NormOp::kDual) {
-    b[kNKvInput] = random_values(c.model, rows * kKvWidth, 2.0f, rng);
-    std::fill(b[kNKvInput].begin(), b[kNKvInput].begin() + c.zero_rows * kKvWidth * mb, uint8_t{0});
+    if (!c.joint) {
+      b[kNKvInput] = random_values(c.model, rows * c.kv_stride, 2.0f, rng);
+      std::fill(b[kNKvInput].begin(), b[kNKvInput].begin() + c.zero_rows * c.kv_stride * mb,
+                uint8_t{0});
+    }
     b[kNKvWeight] = random_values(c.model, kKvWidth, 1.5f, rng);
     if (c.kv_out == Alias::kSeparate) b[kNKvOut].assign(rows * kKvWidth * mb, kPoisonByte);
   }
@@ -183,7 +206,7 @@ NormViews norm_views(const NormCase& c, const std::vector<void*>& base, Device d
   NormViews v;
   RmsNormQuantParams& q = v.q;
   q.num_tokens = c.T;
-  q.input = make_view(base[kNInput], m, {rows, c.N}, device);
+  q.input = make_strided_view(base[kNInput], m, {rows, c.N}, {c.input_stride, 1}, device);
   if (base[kNWeight] != nullptr) q.weight = make_view(base[kNWeight], m, {c.N}, device);
   q.eps = c.eps;
   if (c.residual) q.residual = make_view(base[kNResidual], m, {rows, c.N}, device);
@@ -202,7 +225,9 @@ NormViews norm_views(const NormCase& c, const std::vector<void*>& base, Device d
   q.quant.pow2_scale = c.pow2;
   if (c.config->op == NormOp::kDual) {
     v.kv.num_tokens = c.T;
-    v.kv.input = make_view(base[kNKvInput], m, {rows, kKvWidth}, device);
+    void* kv_input =
+        c.joint ? static_cast<uint8_t*>(base[kNInput]) + c.N * dtype_size(m) : base[kNKvInput];
+    v.kv.input = make_strided_view(kv_input, m, {rows, kKvWidth}, {c.kv_stride, 1}, device);
     v.kv.weight = make_view(base[kNKvWeight], m, {kKvWidth}, device);
     v.kv.eps = c.eps;
     v.kv.output = c.kv_out == Alias::kInPlace
