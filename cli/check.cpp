@@ -37,24 +37,29 @@ DeviceCopies::DeviceCopies(const std::vector<std::vector<uint8_t>>& initial, Dev
     : buffers(initial.size()), base(initial.size(), nullptr) {
   for (size_t id = 0; id < initial.size(); ++id) {
     if (initial[id].empty()) continue;
-    std::vector<uint8_t> bytes = initial[id];
-    bytes.resize(bytes.size() + kTailBytes, kSentinelByte);
+    std::vector<uint8_t> bytes(initial[id].size() + 2 * kGuardBytes, kGuardByte);
+    std::copy(initial[id].begin(), initial[id].end(), bytes.begin() + kGuardBytes);
     buffers[id] = Buffer(device, bytes.size());
     buffers[id].upload(bytes);
-    base[id] = buffers[id].data();
+    base[id] = static_cast<uint8_t*>(buffers[id].data()) + kGuardBytes;
   }
+}
+
+std::vector<uint8_t> DeviceCopies::read(size_t id, bool* guards_kept) const {
+  std::vector<uint8_t> bytes = buffers[id].download();
+  const auto guard = [](uint8_t b) { return b == kGuardByte; };
+  *guards_kept = std::all_of(bytes.begin(), bytes.begin() + kGuardBytes, guard) &&
+                 std::all_of(bytes.end() - kGuardBytes, bytes.end(), guard);
+  return std::vector<uint8_t>(bytes.begin() + kGuardBytes, bytes.end() - kGuardBytes);
 }
 
 void DeviceCopies::read_back(const std::vector<std::vector<uint8_t>>& initial, Run* run) const {
   run->result.resize(initial.size());
   for (size_t id = 0; id < initial.size(); ++id) {
     if (initial[id].empty()) continue;
-    std::vector<uint8_t>& bytes = run->result[id];
-    bytes = buffers[id].download();
-    const bool tail_kept = std::all_of(bytes.begin() + static_cast<int64_t>(initial[id].size()),
-                                       bytes.end(), [](uint8_t b) { return b == kSentinelByte; });
-    if (!tail_kept && run->overrun.empty()) run->overrun = run->names(static_cast<int>(id));
-    bytes.resize(initial[id].size());
+    bool guards_kept = true;
+    run->result[id] = read(id, &guards_kept);
+    if (!guards_kept && run->overrun.empty()) run->overrun = run->names(static_cast<int>(id));
   }
 }
 
@@ -261,7 +266,7 @@ Mismatch compare_runs(const Run& got, const Run& expected, const char* versus) {
   if (!got.overrun.empty()) {
     Mismatch m;
     m.found = true;
-    m.text = got.overrun + ": bytes past its end were written";
+    m.text = got.overrun + ": bytes outside it were written";
     return m;
   }
   for (size_t id = 0; id < expected.result.size(); ++id) {

@@ -5,6 +5,7 @@
 
 #include <array>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <string>
 #include <vector>
@@ -24,7 +25,7 @@ enum class Alias { kNone, kSeparate, kInPlace };
 
 // What one run of a case left in its buffers (by buffer id; empty: not used by the case) and in the
 // error counters. `names` names the buffers of the case's op family; `overrun` names the first
-// buffer whose bytes past its end changed (a write outside every view), or is empty.
+// buffer (or "error_counts") whose guard bytes changed (a write outside it), or is empty.
 struct Run {
   const char* (*names)(int) = nullptr;
   std::vector<std::vector<uint8_t>> result;
@@ -38,15 +39,19 @@ struct Run {
 // later (SplitMix64 seeded with s * its own increment would be).
 Rng case_rng(uint64_t seed, const char* config_name, uint64_t salt);
 
-// Copies of `initial` on `device` (nullptr for an unused buffer), each followed by kTailBytes
-// sentinel bytes; the run's result is read back from them, cut to each buffer's size, and a
-// changed tail is reported as an overrun.
+// Copies of `initial` on `device` (nullptr for an unused buffer), each between kGuardBytes guard
+// bytes on either side; the run's result is read back from them, and a changed guard byte is
+// reported as an overrun. (A write further than kGuardBytes outside a buffer may land in another
+// allocation, unseen.)
 struct DeviceCopies {
-  static constexpr size_t kTailBytes = 256;
+  static constexpr size_t kGuardBytes = 256;  // keeps every copy 256-byte aligned
+  static constexpr uint8_t kGuardByte = 0xC3;
   std::vector<Buffer> buffers;
   std::vector<void*> base;
 
   DeviceCopies(const std::vector<std::vector<uint8_t>>& initial, Device device);
+  // Buffer `id`'s bytes (its guards cut off), and whether its guards were kept.
+  std::vector<uint8_t> read(size_t id, bool* guards_kept) const;
   void read_back(const std::vector<std::vector<uint8_t>>& initial, Run* run) const;
 };
 
@@ -59,16 +64,19 @@ template <typename Op>
 Run run_on(Device device, const std::vector<std::vector<uint8_t>>& initial,
            const char* (*names)(int), const Op& op) {
   const DeviceCopies copies(initial, device);
-  Buffer counts(device, kNumErrorCounters * sizeof(int32_t));
-  reset_error_counts(counts.as<int32_t>(), device);
+  // The counters, zero, between guards of their own.
+  const DeviceCopies counters({std::vector<uint8_t>(sizeof(Run::counts), 0)}, device);
   Context ctx;
-  ctx.error_counts = counts.as<int32_t>();
+  ctx.error_counts = static_cast<int32_t*>(counters.base[0]);
   op(copies.base, ctx);
   device_synchronize(device);
   Run run;
   run.names = names;
-  read_error_counts(counts.as<int32_t>(), device, run.counts.data());
   copies.read_back(initial, &run);
+  bool guards_kept = true;
+  const std::vector<uint8_t> counts = counters.read(0, &guards_kept);
+  std::memcpy(run.counts.data(), counts.data(), sizeof(Run::counts));
+  if (!guards_kept && run.overrun.empty()) run.overrun = "error_counts";
   return run;
 }
 
@@ -85,13 +93,15 @@ Run run_reference(const std::vector<std::vector<uint8_t>>& initial, const char* 
 
 // Index values of T rows (and rows - T padding rows of wild values the op must never read).
 // Slots: in [0, num_slots) (distinct: each at most once), a few padding (< 0), a few past the
-// cache, a few far out of range (past int32 for int64 indices, INT32_MIN / INT32_MAX for int32).
+// cache, a few far out of range (far_index).
 // Positions: in [0, max_pos), a few outside, a few far outside, as slots.
 std::vector<int64_t> draw_slots(Rng& rng, int64_t T, int64_t rows, int64_t num_slots,
                                 DType index_dtype, bool distinct);
 std::vector<int64_t> draw_positions(Rng& rng, int64_t T, int64_t rows, int64_t max_pos,
                                     DType index_dtype);
-// An index far out of range of [0, n) for `index_dtype` (int32 or int64).
+// An index far out of range of [0, n) for `index_dtype`: int32: INT32_MIN or INT32_MAX; int64:
+// 2^32 past a valid index (a backend that drops the high word lands on it), INT64_MAX or
+// INT64_MIN.
 int64_t far_index(Rng& rng, int64_t n, DType index_dtype);
 
 // A model dtype: bfloat16 (60 %), float16 (20 %) or float32.

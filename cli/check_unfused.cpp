@@ -230,7 +230,8 @@ UnfusedCase make_unfused_case(const UnfusedConfig& config, uint64_t seed, int i)
       const int64_t widths[] = {512, 1536, 7168};
       c.N = rng.chance(0.5) ? widths[rng.below(3)] : rng.between(1, 4096);
       c.norm_in_place = rng.chance(0.3);
-      // kv_c as the latent part of kv_a_proj's [T, L + R] rows, or any row stride.
+      // Rows 64 elements apart (N = 512: kv_c as the latent part of kv_a_proj's [T, L + R]
+      // rows) or any row stride.
       const double stride_roll = rng.uniform(0.0f, 1.0f);
       c.input_stride =
           stride_roll < 0.5 ? c.N : c.N + (stride_roll < 0.75 ? 64 : rng.between(1, 9));

@@ -12,8 +12,9 @@
 //     what  a buffer of the op's params (named as in its struct; mla_rmsnorm_quant: kv_c and
 //           kv_c_out for its kv half, else its q half's names): one byte of it is flipped after the
 //           op ran (its first byte, its last with `:last`, or with `:past` the byte after its
-//           last, outside the view: only `check`, whose buffers have spare bytes after their
-//           ends, may be asked for that); `counter`: error counter 0 gains
+//           last: outside the view, and for a cache or a view of unpadded rows outside its
+//           buffer, which only `check`'s library runs may be asked for: their buffers have guard
+//           bytes); `counter`: error counter 0 gains
 //           one; `throw`: the op throws mlakv::Error; `skip`: the op is not run at all. A name
 //           the op does not fault (a misspelling) makes it throw "has no buffer" after it ran.
 //     @cuda the byte or counter is changed only where it lies in CUDA device memory, so that
@@ -54,8 +55,8 @@ Fault requested_fault() {
   if (env == nullptr) return f;
   const std::string spec(env);
   const size_t colon = spec.find(':');
-  MLAKV_CHECK(colon != std::string::npos, "MLAKV_FAULT: expected <op>:<what>[:last], got '", spec,
-              "'");
+  MLAKV_CHECK(colon != std::string::npos, "MLAKV_FAULT: expected <op>:<what>[:last|:past], got '",
+              spec, "'");
   f.op = spec.substr(0, colon);
   f.what = spec.substr(colon + 1);
   const std::string at_cuda = "@cuda";
@@ -73,6 +74,8 @@ Fault requested_fault() {
       (suffix == ":last" ? f.last : f.past) = true;
     }
   }
+  MLAKV_CHECK(!f.past || f.op.rfind("ref.", 0) != 0, "MLAKV_FAULT: the host reference's buffers ",
+              "have no guard bytes: no :past for ", f.op);
   return f;
 }
 
