@@ -53,10 +53,10 @@ std::vector<uint8_t> DeviceCopies::read(size_t id, bool* guards_kept) const {
   return std::vector<uint8_t>(bytes.begin() + kGuardBytes, bytes.end() - kGuardBytes);
 }
 
-void DeviceCopies::read_back(const std::vector<std::vector<uint8_t>>& initial, Run* run) const {
-  run->result.resize(initial.size());
-  for (size_t id = 0; id < initial.size(); ++id) {
-    if (initial[id].empty()) continue;
+void DeviceCopies::read_back(Run* run) const {
+  run->result.resize(buffers.size());
+  for (size_t id = 0; id < buffers.size(); ++id) {
+    if (base[id] == nullptr) continue;
     bool guards_kept = true;
     run->result[id] = read(id, &guards_kept);
     if (!guards_kept && run->overrun.empty()) run->overrun = run->names(static_cast<int>(id));
@@ -122,6 +122,30 @@ std::vector<int64_t> draw_positions(Rng& rng, int64_t T, int64_t rows, int64_t m
 DType draw_model_dtype(Rng& rng) {
   const double roll = rng.uniform(0.0f, 1.0f);
   return roll < 0.6 ? DType::kBFloat16 : (roll < 0.8 ? DType::kFloat16 : DType::kFloat32);
+}
+
+DType draw_table_dtype(Rng& rng) {
+  const double roll = rng.uniform(0.0f, 1.0f);
+  return roll < 0.7 ? DType::kFloat32 : (roll < 0.85 ? DType::kBFloat16 : DType::kFloat16);
+}
+
+std::string bad_slots_note(const std::vector<int64_t>& slots, int64_t T, int64_t num_slots) {
+  int64_t padding = 0, past = 0;
+  for (int64_t t = 0; t < T; ++t) {
+    padding += slots[t] < 0 ? 1 : 0;
+    past += slots[t] >= num_slots ? 1 : 0;
+  }
+  std::string s;
+  if (padding > 0) s += " " + std::to_string(padding) + " padding slots";
+  if (past > 0) s += " " + std::to_string(past) + " slots past the cache";
+  return s;
+}
+
+std::string clamped_positions_note(const std::vector<int64_t>& positions, int64_t T,
+                                   int64_t max_pos) {
+  int64_t clamped = 0;
+  for (int64_t t = 0; t < T; ++t) clamped += positions[t] < 0 || positions[t] >= max_pos ? 1 : 0;
+  return clamped > 0 ? " " + std::to_string(clamped) + " positions clamped" : "";
 }
 
 std::vector<uint8_t> scale_bytes(Rng& rng) {

@@ -52,7 +52,9 @@ struct DeviceCopies {
   DeviceCopies(const std::vector<std::vector<uint8_t>>& initial, Device device);
   // Buffer `id`'s bytes (its guards cut off), and whether its guards were kept.
   std::vector<uint8_t> read(size_t id, bool* guards_kept) const;
-  void read_back(const std::vector<std::vector<uint8_t>>& initial, Run* run) const;
+  // Every buffer into run->result (by id; empty: unused), the first with a changed guard into
+  // run->overrun.
+  void read_back(Run* run) const;
 };
 
 // The host reference's pointers into a run's buffers (nullptr for an unused buffer).
@@ -72,7 +74,7 @@ Run run_on(Device device, const std::vector<std::vector<uint8_t>>& initial,
   device_synchronize(device);
   Run run;
   run.names = names;
-  copies.read_back(initial, &run);
+  copies.read_back(&run);
   bool guards_kept = true;
   const std::vector<uint8_t> counts = counters.read(0, &guards_kept);
   std::memcpy(run.counts.data(), counts.data(), sizeof(Run::counts));
@@ -106,6 +108,14 @@ int64_t far_index(Rng& rng, int64_t n, DType index_dtype);
 
 // A model dtype: bfloat16 (60 %), float16 (20 %) or float32.
 DType draw_model_dtype(Rng& rng);
+// A cos/sin table dtype: float32 (70 %), bfloat16 (15 %) or float16.
+DType draw_table_dtype(Rng& rng);
+
+// What a case's first T indices hold that the op must skip or clamp (and count), for its
+// description: " N padding slots M slots past the cache", " K positions clamped" (or "").
+std::string bad_slots_note(const std::vector<int64_t>& slots, int64_t T, int64_t num_slots);
+std::string clamped_positions_note(const std::vector<int64_t>& positions, int64_t T,
+                                   int64_t max_pos);
 
 // A random fp32 scale in [0.004, 0.05) as its 4 bytes (a cache's or q_out's per-tensor scale).
 std::vector<uint8_t> scale_bytes(Rng& rng);

@@ -106,15 +106,8 @@ struct Case {
        << (table_row_stride != R ? " strided" : "") << " idx " << dtype_name(index_dtype)
        << (rms_norm ? " rmsnorm" : "") << (joint_kv ? " joint-kv" : "");
     // The rows the op must skip or clamp and count (padding rows excluded: never read).
-    int64_t padding_slots = 0, slots_past = 0, positions_clamped = 0;
-    for (int64_t t = 0; t < T; ++t) {
-      padding_slots += slots[t] < 0 ? 1 : 0;
-      slots_past += slots[t] >= cache.num_slots() ? 1 : 0;
-      positions_clamped += positions[t] < 0 || positions[t] >= max_pos ? 1 : 0;
-    }
-    if (padding_slots > 0) os << " " << padding_slots << " padding slots";
-    if (slots_past > 0) os << " " << slots_past << " slots past the cache";
-    if (positions_clamped > 0) os << " " << positions_clamped << " positions clamped";
+    os << bad_slots_note(slots, T, cache.num_slots())
+       << clamped_positions_note(positions, T, max_pos);
     if (k_pe_out != Alias::kNone)
       os << (k_pe_out == Alias::kInPlace ? " k_pe_out=k_pe" : " k_pe_out");
     if (kv_c_out != Alias::kNone)
@@ -144,9 +137,7 @@ Case make_case(const ModelConfig& model, uint64_t seed, int format_index) {
   c.T = rng.chance(0.15) ? rng.between(65, 300) : rng.between(1, 64);
   c.pad_rows = rng.chance(0.5) ? rng.between(1, 4) : 0;
   c.index_dtype = rng.chance(0.5) ? DType::kInt64 : DType::kInt32;
-  const double table_roll = rng.uniform(0.0f, 1.0f);
-  c.table_dtype =
-      table_roll < 0.7 ? DType::kFloat32 : (table_roll < 0.85 ? DType::kBFloat16 : DType::kFloat16);
+  c.table_dtype = draw_table_dtype(rng);
   c.max_pos = rng.between(c.T + 1, 4096);
   c.table_row_stride = c.R + (rng.chance(0.2) ? 8 : 0);
   c.rope_style = rng.chance(0.5) ? RopeStyle::kGptJ : RopeStyle::kNeox;

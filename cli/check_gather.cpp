@@ -81,14 +81,8 @@ struct GatherCase {
        << " " << cache.describe() << " out " << dtype_name(out_dtype)
        << (out_row_pad > 0 ? " (row pad " + std::to_string(out_row_pad) + ")" : "");
     if (!sequences) {
-      int64_t padding = 0, past = 0;
-      for (int64_t i = 0; i < N; ++i) {
-        padding += slots[i] < 0 ? 1 : 0;
-        past += slots[i] >= num_slots() ? 1 : 0;
-      }
-      os << " idx " << dtype_name(index_dtype) << " pad " << pad_rows;
-      if (padding > 0) os << " " << padding << " padding slots";
-      if (past > 0) os << " " << past << " slots past the cache";
+      os << " idx " << dtype_name(index_dtype) << " pad " << pad_rows
+         << bad_slots_note(slots, N, num_slots());
       return os.str();
     }
     int64_t bad_ids = 0, past_row = 0;

@@ -251,15 +251,7 @@ class NormFamily : public Family {
     return run_reference(initial_, norm_buffer_name, [&](const std::vector<void*>& base, int32_t*) {
       const NormViews v = norm_views(case_, base, Device{});
       ref::rmsnorm_quant(v.q);  // without a weight (the group quant) it only quantizes
-      if (case_.config->op == NormOp::kDual) {
-        RmsNormQuantParams kv;  // no quant: it only normalizes, into normed_out
-        kv.num_tokens = v.kv.num_tokens;
-        kv.input = v.kv.input;
-        kv.weight = v.kv.weight;
-        kv.eps = v.kv.eps;
-        kv.normed_out = v.kv.output;
-        ref::rmsnorm_quant(kv);
-      }
+      if (case_.config->op == NormOp::kDual) ref::rms_norm(v.kv);
     });
   }
 

@@ -116,31 +116,20 @@ struct UnfusedCase {
     os << "seed " << seed << ": T " << T << " pad " << pad_rows << " " << dtype_name(model);
     switch (op()) {
       case UnfusedOp::kRotary:
-      case UnfusedOp::kRotaryMla: {
-        int64_t clamped = 0;
-        for (int64_t t = 0; t < T; ++t) clamped += positions[t] < 0 || positions[t] >= max_pos;
+      case UnfusedOp::kRotaryMla:
         os << " Hq " << Hq << " Hk " << Hk << " head " << head << " (query heads "
            << query_head_stride() << " apart, rows " << query_row() << ")";
         if (Hk > 0)
           os << " (key heads " << key_head_stride() << " apart, rows " << key_row() << ")";
         os << " rot_dim " << rot_dim << " " << rope_style_name(rope_style) << " table "
            << dtype_name(table_dtype) << (table_row_stride != rot_dim ? " strided" : "") << " idx "
-           << dtype_name(index_dtype);
-        if (clamped > 0) os << " " << clamped << " positions clamped";
+           << dtype_name(index_dtype) << clamped_positions_note(positions, T, max_pos);
         break;
-      }
-      case UnfusedOp::kConcat: {
-        int64_t padding = 0, past = 0;
-        for (int64_t t = 0; t < T; ++t) {
-          padding += slots[t] < 0 ? 1 : 0;
-          past += slots[t] >= cache.num_slots() ? 1 : 0;
-        }
+      case UnfusedOp::kConcat:
         os << " L " << L << " R " << R << " " << cache.describe() << " idx "
-           << dtype_name(index_dtype) << (joint_kv ? " joint-kv" : "");
-        if (padding > 0) os << " " << padding << " padding slots";
-        if (past > 0) os << " " << past << " slots past the cache";
+           << dtype_name(index_dtype) << (joint_kv ? " joint-kv" : "")
+           << bad_slots_note(slots, T, cache.num_slots());
         break;
-      }
       case UnfusedOp::kQConcat:
         os << " H " << H << " L " << L << " R " << R << " q_out " << dtype_name(q_out_dtype)
            << (q_scale ? " q_scale" : "")
@@ -188,10 +177,7 @@ UnfusedCase make_unfused_case(const UnfusedConfig& config, uint64_t seed, int i)
         c.Hk = 1;
       }
       c.rope_style = rng.chance(0.5) ? RopeStyle::kGptJ : RopeStyle::kNeox;
-      const double table_roll = rng.uniform(0.0f, 1.0f);
-      c.table_dtype = table_roll < 0.7    ? DType::kFloat32
-                      : table_roll < 0.85 ? DType::kBFloat16
-                                          : DType::kFloat16;
+      c.table_dtype = draw_table_dtype(rng);
       c.max_pos = rng.between(c.T + 1, 4096);
       c.positions = draw_positions(rng, c.T, c.rows(), c.max_pos, c.index_dtype);
       c.table_row_stride = c.rot_dim + (rng.chance(0.2) ? 8 : 0);
