@@ -1,22 +1,31 @@
-// mlakv internal: the entry points each backend implements. Arguments are already validated
-// (src/core/validate.cpp); a backend only runs them.
+// mlakv internal: the entry points each backend implements, and the dispatch to them. Arguments
+// are already validated (src/core/validate.cpp, src/core/rmsnorm_quant.cpp); a backend only runs
+// them.
 #pragma once
 
 #include <cstddef>
 #include <string>
 
 #include "core/args.h"
+#include "core/rmsnorm_quant_args.h"
 #include "mlakv/context.h"
+#include "mlakv/error.h"
+
+// The ops of every backend, one list: X(entry point, its resolved arguments in namespace core).
+#define MLAKV_BACKEND_OPS(X)                     \
+  X(mla_rope_cache, MlaRopeCacheArgs)            \
+  X(rotary_embedding, RotaryEmbeddingArgs)       \
+  X(concat_and_cache_mla, ConcatAndCacheMlaArgs) \
+  X(decode_q_concat, DecodeQConcatArgs)          \
+  X(rms_norm, RmsNormArgs)                       \
+  X(gather_cache, GatherCacheArgs)               \
+  X(rmsnorm_quant, RmsNormQuantArgs)
+#define MLAKV_DECLARE_BACKEND_OP(fn, Args) void fn(const core::Args& args, const Context& ctx);
 
 namespace mlakv {
 
 namespace cpu {
-void mla_rope_cache(const core::MlaRopeCacheArgs& args, const Context& ctx);
-void rotary_embedding(const core::RotaryEmbeddingArgs& args, const Context& ctx);
-void concat_and_cache_mla(const core::ConcatAndCacheMlaArgs& args, const Context& ctx);
-void decode_q_concat(const core::DecodeQConcatArgs& args, const Context& ctx);
-void rms_norm(const core::RmsNormArgs& args, const Context& ctx);
-void gather_cache(const core::GatherCacheArgs& args, const Context& ctx);
+MLAKV_BACKEND_OPS(MLAKV_DECLARE_BACKEND_OP)
 }  // namespace cpu
 
 #ifdef MLAKV_WITH_CUDA
@@ -39,12 +48,7 @@ class DeviceGuard {
   bool switched_ = false;
 };
 
-void mla_rope_cache(const core::MlaRopeCacheArgs& args, const Context& ctx);
-void rotary_embedding(const core::RotaryEmbeddingArgs& args, const Context& ctx);
-void concat_and_cache_mla(const core::ConcatAndCacheMlaArgs& args, const Context& ctx);
-void decode_q_concat(const core::DecodeQConcatArgs& args, const Context& ctx);
-void rms_norm(const core::RmsNormArgs& args, const Context& ctx);
-void gather_cache(const core::GatherCacheArgs& args, const Context& ctx);
+MLAKV_BACKEND_OPS(MLAKV_DECLARE_BACKEND_OP)
 // Error counters and device facts (src/cuda/runtime.cu).
 void reset_error_counts(int32_t* error_counts, int device_index, void* stream);
 void read_error_counts(const int32_t* error_counts, int device_index, int32_t* host_out,
@@ -59,6 +63,28 @@ void copy_device_to_host(int device_index, void* dst, const void* src, size_t by
 void device_memset(int device_index, void* dst, int value, size_t bytes);
 void device_synchronize(int device_index);
 }  // namespace cuda
+#endif
+
+// Runs backend op `fn` on `device` (validated): the CPU backend, or the CUDA backend with `device`
+// current for the call (cuda::DeviceGuard).
+#ifdef MLAKV_WITH_CUDA
+#define MLAKV_DISPATCH(fn, device, args, ctx)                 \
+  do {                                                        \
+    if ((device).type == DeviceType::kCPU) {                  \
+      ::mlakv::cpu::fn((args), (ctx));                        \
+    } else {                                                  \
+      const ::mlakv::cuda::DeviceGuard guard((device).index); \
+      ::mlakv::cuda::fn((args), (ctx));                       \
+    }                                                         \
+  } while (0)
+#else
+// Validation already rejects CUDA tensors in a CPU-only build; this is the second line of defence.
+#define MLAKV_DISPATCH(fn, device, args, ctx)                                              \
+  do {                                                                                     \
+    MLAKV_CHECK((device).type == DeviceType::kCPU, #fn, ": device: ", device_name(device), \
+                " given but mlakv was built without the CUDA backend");                    \
+    ::mlakv::cpu::fn((args), (ctx));                                                       \
+  } while (0)
 #endif
 
 }  // namespace mlakv

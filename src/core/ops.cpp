@@ -11,26 +11,6 @@
 namespace mlakv {
 namespace {
 
-#ifdef MLAKV_WITH_CUDA
-#define MLAKV_DISPATCH(fn, device, args, ctx)  \
-  do {                                         \
-    if ((device).type == DeviceType::kCPU) {   \
-      cpu::fn((args), (ctx));                  \
-    } else {                                   \
-      cuda::DeviceGuard guard((device).index); \
-      cuda::fn((args), (ctx));                 \
-    }                                          \
-  } while (0)
-#else
-// Validation already rejects CUDA tensors in a CPU-only build; this is the second line of defence.
-#define MLAKV_DISPATCH(fn, device, args, ctx)                                         \
-  do {                                                                                \
-    MLAKV_CHECK((device).type == DeviceType::kCPU, #fn,                               \
-                ": CUDA tensors given but mlakv was built without the CUDA backend"); \
-    cpu::fn((args), (ctx));                                                           \
-  } while (0)
-#endif
-
 void copy_counts(const int32_t* error_counts, Device device, int32_t* host_out, void* stream) {
   if (device.type == DeviceType::kCPU) {
     std::memcpy(host_out, error_counts, sizeof(int32_t) * kNumErrorCounters);

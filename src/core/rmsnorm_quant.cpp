@@ -279,17 +279,7 @@ void dispatch(const core::RmsNormQuantArgs& args, Device device, const Context& 
   bool any = false;
   for (int i = 0; i < args.num_tasks; ++i) any = any || args.tasks[i].num_tokens > 0;
   if (!any) return;
-  if (device.type == DeviceType::kCPU) {
-    cpu::rmsnorm_quant(args, ctx);
-    return;
-  }
-#ifdef MLAKV_WITH_CUDA
-  const cuda::DeviceGuard guard(device.index);
-  cuda::rmsnorm_quant(args, ctx);
-#else
-  MLAKV_FAIL("rmsnorm_quant: device: ", device_name(device),
-             " given but mlakv was built without the CUDA backend");
-#endif
+  MLAKV_DISPATCH(rmsnorm_quant, device, args, ctx);
 }
 
 }  // namespace

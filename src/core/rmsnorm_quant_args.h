@@ -1,6 +1,6 @@
 // mlakv internal: the resolved arguments of rmsnorm_quant, mla_rmsnorm_quant and
-// per_token_group_quant_fp8 and the backend entry points (the group-scale rule both backends share
-// is num::group_scale, src/common/numerics.h).
+// per_token_group_quant_fp8 (the backends' entry point: core/backend.h; the group-scale rule both
+// backends share is num::group_scale, src/common/numerics.h).
 //
 // All three public ops become one RmsNormQuantArgs of one or two row jobs ("tasks"): the dual form
 // is two tasks in one launch. src/core/rmsnorm_quant.cpp validates and fills it; backends never
@@ -53,15 +53,5 @@ RmsNormQuantArgs validate_rmsnorm_quant(const RmsNormQuantParams& params, const 
                                         Device* device);
 
 }  // namespace core
-
-namespace cpu {
-void rmsnorm_quant(const core::RmsNormQuantArgs& args, const Context& ctx);
-}  // namespace cpu
-
-#ifdef MLAKV_WITH_CUDA
-namespace cuda {
-void rmsnorm_quant(const core::RmsNormQuantArgs& args, const Context& ctx);
-}  // namespace cuda
-#endif
 
 }  // namespace mlakv

@@ -13,6 +13,7 @@
 #include <cstdint>
 
 #include "common/numerics.h"
+#include "core/backend.h"
 #include "core/rmsnorm_quant_args.h"
 #include "cpu/cpu_common.h"
 #include "mlakv/error.h"

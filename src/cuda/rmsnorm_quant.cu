@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "core/backend.h"
 #include "core/rmsnorm_quant_args.h"
 #include "cuda/cuda_utils.h"
 #include "cuda/rmsnorm_quant.h"
