@@ -33,6 +33,11 @@ Rng case_rng(uint64_t seed, const char* config_name, uint64_t salt) {
   return Rng(Rng(seed * 0x9e3779b97f4a7c15ull + salt * 7919u + name_hash).next());
 }
 
+bool empty_batch(uint64_t seed, const char* config_name) {
+  constexpr uint64_t kEmptyBatchSalt = 0xe3b7;
+  return case_rng(seed, config_name, kEmptyBatchSalt).chance(0.03);
+}
+
 DeviceCopies::DeviceCopies(const std::vector<std::vector<uint8_t>>& initial, Device device)
     : buffers(initial.size()), base(initial.size(), nullptr) {
   for (size_t id = 0; id < initial.size(); ++id) {

@@ -93,6 +93,12 @@ Run run_reference(const std::vector<std::vector<uint8_t>>& initial, const char* 
   return run;
 }
 
+// Whether case (seed, config) is an empty batch (T = 0, or no sequences): about 3 % of the cases,
+// decided by a stream of its own, so that every other case draws what it drew before. Its tensors
+// of zero rows have no storage (null data, as torch's empty tensors), unless padding rows give
+// them some.
+bool empty_batch(uint64_t seed, const char* config_name);
+
 // Index values of T rows (and rows - T padding rows of wild values the op must never read).
 // Slots: in [0, num_slots) (distinct: each at most once), a few padding (< 0), a few past the
 // cache, a few far out of range (far_index).

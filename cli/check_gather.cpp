@@ -120,6 +120,7 @@ GatherCase make_gather_case(const GatherConfig& config, uint64_t seed, int i) {
 
   if (!c.sequences) {
     c.N = rng.chance(0.15) ? rng.between(65, 600) : rng.between(1, 64);
+    if (empty_batch(seed, config.name)) c.N = 0;
     c.pad_rows = rng.chance(0.5) ? rng.between(1, 4) : 0;
     c.index_dtype = rng.chance(0.5) ? DType::kInt64 : DType::kInt32;
     c.cache = CacheLayout::draw(rng, format, L, R, c.N);
@@ -134,6 +135,7 @@ GatherCase make_gather_case(const GatherConfig& config, uint64_t seed, int i) {
   c.cache = CacheLayout::draw(rng, format, L, R, 1);  // its block count follows from the table
   const int64_t bs = c.cache.block_size;
   c.B = rng.chance(0.2) ? rng.between(9, 40) : rng.between(1, 8);
+  if (empty_batch(seed, config.name)) c.B = 0;
   const int64_t max_len = rng.chance(0.2) ? 600 : 150;
   c.cu_seq_lens.push_back(0);
   int64_t longest = 0;
@@ -171,7 +173,7 @@ GatherCase make_gather_case(const GatherConfig& config, uint64_t seed, int i) {
   c.out_rows = rows_roll < 0.15 && total > 1 ? rng.between(1, total - 1)
                : rows_roll < 0.3             ? total + rng.between(1, 3)
                                              : total;
-  c.out_rows = std::max<int64_t>(c.out_rows, 1);
+  if (c.B > 0) c.out_rows = std::max<int64_t>(c.out_rows, 1);  // an empty batch: maybe no out
   return c;
 }
 

@@ -132,6 +132,7 @@ NormCase make_norm_case(const NormConfig& config, uint64_t seed) {
   } else {
     c.T = narrow ? rng.between(1000, 8200) : rng.between(300, 1200);
   }
+  if (empty_batch(seed, config.name)) c.T = 0;
   c.pad_rows = rng.chance(0.5) ? rng.between(1, 4) : 0;
   const int64_t groups[] = {16, 32, 64, 128, 256};
   if (config.N > 0) {

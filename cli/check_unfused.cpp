@@ -156,6 +156,7 @@ UnfusedCase make_unfused_case(const UnfusedConfig& config, uint64_t seed, int i)
   c.seed = seed;
   c.model = draw_model_dtype(rng);
   c.T = rng.chance(0.15) ? rng.between(65, 300) : rng.between(1, 64);
+  if (empty_batch(seed, config.name)) c.T = 0;
   c.pad_rows = rng.chance(0.5) ? rng.between(1, 4) : 0;
   c.index_dtype = rng.chance(0.5) ? DType::kInt64 : DType::kInt32;
   switch (config.op) {

@@ -9,8 +9,9 @@
 //           rmsnorm_quant, mla_rmsnorm_quant, per_token_group_quant_fp8, gather_cache_slots,
 //           gather_cache_sequences (the library), ref.mla_rope_cache, ref.rmsnorm_quant,
 //           ref.rms_norm, ref.gather_cache_slots (the host reference)
-//     what  a buffer of the op's params (named as in its struct; mla_rmsnorm_quant: kv_c and
-//           kv_c_out for its kv half, else its q half's names): one byte of it is flipped after the
+//     what  a buffer of the op's params (named as in its struct, kv_cache.rope_data for a split
+//           cache's rope part; mla_rmsnorm_quant: kv_c and kv_c_out for its kv half, else its q
+//           half's names): one byte of it is flipped after the
 //           op ran (its first byte, its last with `:last`, or with `:past` the byte after its
 //           last: outside the view, and for a cache or a view of unpadded rows outside its
 //           buffer, which only `check`'s library runs may be asked for: their buffers have guard
@@ -153,6 +154,14 @@ void flip(const mlakv::KVCacheView& c) {
   flip(c.data, fault().past ? end : fault().last ? end - 1 : 0);
 }
 
+// The same for a split cache's rope part; a combined cache has none and is left alone (its cases
+// run unchanged).
+void flip_rope_part(const mlakv::KVCacheView& c) {
+  if (!c.is_split()) return;
+  const int64_t end = c.num_blocks * c.stride_rope_block_bytes;
+  flip(c.rope_data, fault().past ? end : fault().last ? end - 1 : 0);
+}
+
 // Before the op: throw or skip it. Returns whether the op is to run.
 bool before(const char* op) {
   if (!faulting(op)) return true;
@@ -190,6 +199,7 @@ void corrupt_one(const char* op, const char* name, const mlakv::TensorView& view
 void corrupt(const char* op, const mlakv::ConcatAndCacheMlaParams& p) {
   if (!faulting(op)) return;
   if (fault().what == "kv_cache") return flip(p.kv_cache);
+  if (fault().what == "kv_cache.rope_data") return flip_rope_part(p.kv_cache);
   flip_named(op, {});  // no view to flip: only the error for any name but `throw` / `skip`
 }
 
@@ -197,6 +207,7 @@ void corrupt(const char* op, const mlakv::MlaRopeCacheParams& p, int32_t* error_
   if (!faulting(op)) return;
   const std::string& w = fault().what;
   if (w == "kv_cache") return flip(p.kv_cache);
+  if (w == "kv_cache.rope_data") return flip_rope_part(p.kv_cache);
   if (w == "counter") return bump_counter(error_counts);
   if (w == "num_decode_tokens_device") {
     // Only the cases with a device Td have one; the others run unchanged.
