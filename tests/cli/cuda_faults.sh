@@ -62,11 +62,12 @@ case_ check_cuda_vs_cpu mla_rope_cache@cuda:kv_cache 1 \
 case_ check_cuda_vs_cpu_counter mla_rope_cache@cuda:counter 1 \
   "summary: 30 comparisons, 20 mismatches: FAIL" \
   "MISMATCH cuda vs cpu: seed .*: error counter .*: 1 vs cpu 0" $both --ops mla_rope_cache
-# rmsnorm_quant runs in 3 of the 5 configs of its family: 6 cases fail against the reference
-# and 6 against the CPU.
+# rmsnorm_quant runs in 3 of the 5 configs of its family. Of their 6 cases one is an empty batch
+# (rmsnorm_quant 1536, seed 2: no scales to change), so 5 fail against the reference and 5 against
+# the CPU.
 case_ check_cuda_vs_cpu_norm rmsnorm_quant@cuda:scales:last 1 \
-  "summary: 30 comparisons, 12 mismatches: FAIL" \
-  "rmsnorm_quant 1536  *cpu 2/2 ok  cuda 0/2 ok  cuda==cpu 0/2" \
+  "summary: 30 comparisons, 10 mismatches: FAIL" \
+  "rmsnorm_quant 7168  *cpu 2/2 ok  cuda 0/2 ok  cuda==cpu 0/2" \
   "MISMATCH cuda vs cpu: seed .*: scales: byte [1-9]" $both --ops rmsnorm_quant
 # gather_cache_slots runs in 2 of the 5 configs of its family and in some cases of the fifth.
 case_ check_cuda_vs_cpu_gather gather_cache_slots@cuda:out:last 1 \
