@@ -9,15 +9,15 @@
 //           rmsnorm_quant, mla_rmsnorm_quant, per_token_group_quant_fp8, gather_cache_slots,
 //           gather_cache_sequences (the library), ref.mla_rope_cache, ref.rmsnorm_quant,
 //           ref.rms_norm, ref.gather_cache_slots (the host reference)
-//     what  a buffer of the op's params (named as in its struct, kv_cache.rope_data for a split
-//           cache's rope part; mla_rmsnorm_quant: kv_c and kv_c_out for its kv half, else its q
-//           half's names): one byte of it is flipped after the
-//           op ran (its first byte, its last with `:last`, or with `:past` the byte after its
-//           last: outside the view, and for a cache or a view of unpadded rows outside its
-//           buffer, which only `check`'s library runs may be asked for: their buffers have guard
-//           bytes); `counter`: error counter 0 gains
-//           one; `throw`: the op throws mlakv::Error; `skip`: the op is not run at all. A name
-//           the op does not fault (a misspelling) makes it throw "has no buffer" after it ran.
+//     what  a buffer of the op's params (named as in its struct; mla_rope_cache:
+//           kv_cache.rope_data for a split cache's rope part; mla_rmsnorm_quant: kv_c and kv_c_out
+//           for its kv half, else its q half's names): one byte of it is flipped after the op ran
+//           (its first byte, its last with `:last`, or with `:past` the byte after its last:
+//           outside the view, and for a cache or a view of unpadded rows outside its buffer, which
+//           only `check`'s library runs may be asked for: their buffers have guard bytes);
+//           `counter`: error counter 0 gains one; `throw`: the op throws mlakv::Error; `skip`: the
+//           op is not run at all. A name the op does not fault (a misspelling) makes it throw "has
+//           no buffer" after it ran.
 //     @cuda the byte or counter is changed only where it lies in CUDA device memory, so that
 //           `mlakv check --backend all` must find the CUDA run apart from the CPU run.
 //
@@ -199,7 +199,6 @@ void corrupt_one(const char* op, const char* name, const mlakv::TensorView& view
 void corrupt(const char* op, const mlakv::ConcatAndCacheMlaParams& p) {
   if (!faulting(op)) return;
   if (fault().what == "kv_cache") return flip(p.kv_cache);
-  if (fault().what == "kv_cache.rope_data") return flip_rope_part(p.kv_cache);
   flip_named(op, {});  // no view to flip: only the error for any name but `throw` / `skip`
 }
 
