@@ -57,6 +57,12 @@ struct DeviceCopies {
   void read_back(Run* run) const;
 };
 
+// `bytes` into buffer `base` (a view of part of its rows), or nullptr for a buffer of no bytes: a
+// view of zero rows keeps null data, and no offset is added to a null pointer.
+inline void* offset_bytes(void* base, int64_t bytes) {
+  return base == nullptr ? nullptr : static_cast<uint8_t*>(base) + bytes;
+}
+
 // The host reference's pointers into a run's buffers (nullptr for an unused buffer).
 std::vector<void*> host_pointers(Run* run);
 
@@ -95,8 +101,7 @@ Run run_reference(const std::vector<std::vector<uint8_t>>& initial, const char* 
 
 // Whether case (seed, config) is an empty batch (T = 0, or no sequences): about 3 % of the cases,
 // decided by a stream of its own, so that every other case draws what it drew before. Its tensors
-// of zero rows have no storage (null data, as torch's empty tensors), unless padding rows give
-// them some.
+// of zero rows have null data (as torch's empty tensors), unless padding rows give them bytes.
 bool empty_batch(uint64_t seed, const char* config_name);
 
 // Index values of T rows (and rows - T padding rows of wild values the op must never read).

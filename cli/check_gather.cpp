@@ -113,9 +113,9 @@ GatherCase make_gather_case(const GatherConfig& config, uint64_t seed, int i) {
       config.op == GatherOp::kEither ? rng.chance(0.5) : config.op == GatherOp::kSequences;
   int64_t L = config.L > 0 ? config.L : 16 * rng.between(1, 64);
   int64_t R = config.R > 0 ? config.R : 2 * rng.between(1, 64);
-  // A random shape takes fp8_ds_mla's turn in the format cycle at its one shape (L 512, R 64), so
-  // that every format is read back at a random shape too.
-  if (config.L == 0 && i % kNumCacheFormats == kNumCacheFormats - 1) {
+  // On fp8_ds_mla's turn in the format cycle the random-shape config takes that format's one shape
+  // (L 512, R 64), so that it reads back all six formats, each with its other random draws.
+  if (config.L == 0 && kCacheFormats[i % kNumCacheFormats] == CacheFormat::kFloat8DsMla) {
     L = kDsMlaLatentDim;
     R = kDsMlaRopeDim;
   }

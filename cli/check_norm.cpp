@@ -226,8 +226,7 @@ NormViews norm_views(const NormCase& c, const std::vector<void*>& base, Device d
   q.quant.pow2_scale = c.pow2;
   if (c.config->op == NormOp::kDual) {
     v.kv.num_tokens = c.T;
-    void* kv_input =
-        c.joint ? static_cast<uint8_t*>(base[kNInput]) + c.N * dtype_size(m) : base[kNKvInput];
+    void* kv_input = c.joint ? offset_bytes(base[kNInput], c.N * dtype_size(m)) : base[kNKvInput];
     v.kv.input = make_strided_view(kv_input, m, {rows, kKvWidth}, {c.kv_stride, 1}, device);
     v.kv.weight = make_view(base[kNKvWeight], m, {kKvWidth}, device);
     v.kv.eps = c.eps;

@@ -289,13 +289,11 @@ RotaryEmbeddingParams rotary_params(const UnfusedCase& c, const std::vector<void
                                       {c.table_row_stride, 1}, device);
   p.rope_style = c.rope_style;
   const size_t mb = dtype_size(c.model);
-  uint8_t* query = static_cast<uint8_t*>(base[kUQuery]);
-  if (c.mla_rotary()) query += c.P * mb;
+  void* query = offset_bytes(base[kUQuery], c.mla_rotary() ? c.P * mb : 0);
   p.query = make_strided_view(query, c.model, {rows, c.Hq, c.head},
                               {c.query_row(), c.query_head_stride(), 1}, device);
   if (c.Hk > 0) {
-    uint8_t* key = static_cast<uint8_t*>(base[kUKey]);
-    if (c.mla_rotary()) key += c.L * mb;
+    void* key = offset_bytes(base[kUKey], c.mla_rotary() ? c.L * mb : 0);
     p.key = make_strided_view(key, c.model, {rows, c.Hk, c.head},
                               {c.key_row(), c.key_head_stride(), 1}, device);
   }
@@ -309,8 +307,8 @@ ConcatAndCacheMlaParams concat_params(const UnfusedCase& c, const std::vector<vo
   p.num_tokens = c.T;
   p.kv_c = make_strided_view(base[kUKvC], c.model, {rows, c.L}, {c.kv_row(), 1}, device);
   if (c.joint_kv) {
-    p.k_pe = make_strided_view(static_cast<uint8_t*>(base[kUKvC]) + c.L * dtype_size(c.model),
-                               c.model, {rows, c.R}, {c.kv_row(), 1}, device);
+    p.k_pe = make_strided_view(offset_bytes(base[kUKvC], c.L * dtype_size(c.model)), c.model,
+                               {rows, c.R}, {c.kv_row(), 1}, device);
   } else {
     p.k_pe = make_view(base[kUKPe], c.model, {rows, c.R}, device);
   }
@@ -338,12 +336,12 @@ DecodeQConcatParams q_concat_params(const UnfusedCase& c, const std::vector<void
     p.ql_nope = make_view(base[kUQlNope], c.model, {rows, c.H, c.L}, device);
   }
   if (c.q_pe_in_place) {
-    p.q_pe = make_strided_view(static_cast<uint8_t*>(base[kUQOut]) + c.L * mb, c.model,
-                               {rows, c.H, c.R}, {c.H * width, width, 1}, device);
+    p.q_pe = make_strided_view(offset_bytes(base[kUQOut], c.L * mb), c.model, {rows, c.H, c.R},
+                               {c.H * width, width, 1}, device);
   } else {
     const int64_t q_width = c.q_nope + c.R;
-    p.q_pe = make_strided_view(static_cast<uint8_t*>(base[kUQPe]) + c.q_nope * mb, c.model,
-                               {rows, c.H, c.R}, {c.H * q_width, q_width, 1}, device);
+    p.q_pe = make_strided_view(offset_bytes(base[kUQPe], c.q_nope * mb), c.model, {rows, c.H, c.R},
+                               {c.H * q_width, q_width, 1}, device);
   }
   if (c.q_scale) p.q_scale = static_cast<const float*>(base[kUQScale]);
   return p;

@@ -64,13 +64,14 @@ void device_memset(int device_index, void* dst, int value, size_t bytes);
 void device_synchronize(int device_index);
 }  // namespace cuda
 #endif
+#undef MLAKV_DECLARE_BACKEND_OP
 
-// Runs backend op `fn` on `device` (validated): the CPU backend, or the CUDA backend with `device`
-// current for the call (cuda::DeviceGuard).
+// Runs backend op `fn` for public op `op` (its name, for messages) on `device` (validated): the
+// CPU backend, or the CUDA backend with `device` current for the call (cuda::DeviceGuard).
 #ifdef MLAKV_WITH_CUDA
-#define MLAKV_DISPATCH(fn, device, args, ctx)                 \
+#define MLAKV_DISPATCH(fn, op, device, args, ctx)             \
   do {                                                        \
-    if ((device).type == DeviceType::kCPU) {                  \
+    if ((device).type == ::mlakv::DeviceType::kCPU) {         \
       ::mlakv::cpu::fn((args), (ctx));                        \
     } else {                                                  \
       const ::mlakv::cuda::DeviceGuard guard((device).index); \
@@ -79,11 +80,12 @@ void device_synchronize(int device_index);
   } while (0)
 #else
 // Validation already rejects CUDA tensors in a CPU-only build; this is the second line of defence.
-#define MLAKV_DISPATCH(fn, device, args, ctx)                                              \
-  do {                                                                                     \
-    MLAKV_CHECK((device).type == DeviceType::kCPU, #fn, ": device: ", device_name(device), \
-                " given but mlakv was built without the CUDA backend");                    \
-    ::mlakv::cpu::fn((args), (ctx));                                                       \
+#define MLAKV_DISPATCH(fn, op, device, args, ctx)                       \
+  do {                                                                  \
+    MLAKV_CHECK((device).type == ::mlakv::DeviceType::kCPU, (op),       \
+                ": device: ", ::mlakv::device_name(device),             \
+                " given but mlakv was built without the CUDA backend"); \
+    ::mlakv::cpu::fn((args), (ctx));                                    \
   } while (0)
 #endif
 

@@ -50,7 +50,7 @@ void run_checked(const char* op, Device device, const Context& ctx, Run&& run) {
 void run_mla_rope_cache(const char* op, const MlaRopeCacheParams& params, const Context& ctx) {
   Device device;
   const core::MlaRopeCacheArgs args = core::validate_mla_rope_cache(op, params, ctx, &device);
-  run_checked(op, device, ctx, [&] { MLAKV_DISPATCH(mla_rope_cache, device, args, ctx); });
+  run_checked(op, device, ctx, [&] { MLAKV_DISPATCH(mla_rope_cache, op, device, args, ctx); });
 }
 
 }  // namespace
@@ -81,7 +81,7 @@ void rotary_embedding(const RotaryEmbeddingParams& params, const Context& ctx) {
   const char* op = "rotary_embedding";
   Device device;
   const core::RotaryEmbeddingArgs args = core::validate_rotary_embedding(op, params, ctx, &device);
-  run_checked(op, device, ctx, [&] { MLAKV_DISPATCH(rotary_embedding, device, args, ctx); });
+  run_checked(op, device, ctx, [&] { MLAKV_DISPATCH(rotary_embedding, op, device, args, ctx); });
 }
 
 void concat_and_cache_mla(const ConcatAndCacheMlaParams& params, const Context& ctx) {
@@ -89,7 +89,8 @@ void concat_and_cache_mla(const ConcatAndCacheMlaParams& params, const Context& 
   Device device;
   const core::ConcatAndCacheMlaArgs args =
       core::validate_concat_and_cache_mla(op, params, ctx, &device);
-  run_checked(op, device, ctx, [&] { MLAKV_DISPATCH(concat_and_cache_mla, device, args, ctx); });
+  run_checked(op, device, ctx,
+              [&] { MLAKV_DISPATCH(concat_and_cache_mla, op, device, args, ctx); });
 }
 
 void decode_q_concat(const DecodeQConcatParams& params, const Context& ctx) {
@@ -99,7 +100,7 @@ void decode_q_concat(const DecodeQConcatParams& params, const Context& ctx) {
   run_checked(op, device, ctx, [&] {
     // Both parts already in q_out: nothing to do (inside run_checked, which still synchronizes).
     if (args.ql_nope == nullptr && args.q_pe == nullptr) return;
-    MLAKV_DISPATCH(decode_q_concat, device, args, ctx);
+    MLAKV_DISPATCH(decode_q_concat, op, device, args, ctx);
   });
 }
 
@@ -107,14 +108,14 @@ void rms_norm(const RmsNormParams& params, const Context& ctx) {
   const char* op = "rms_norm";
   Device device;
   const core::RmsNormArgs args = core::validate_rms_norm(op, params, ctx, &device);
-  run_checked(op, device, ctx, [&] { MLAKV_DISPATCH(rms_norm, device, args, ctx); });
+  run_checked(op, device, ctx, [&] { MLAKV_DISPATCH(rms_norm, op, device, args, ctx); });
 }
 
 void gather_cache_slots(const GatherCacheSlotsParams& params, const Context& ctx) {
   const char* op = "gather_cache_slots";
   Device device;
   const core::GatherCacheArgs args = core::validate_gather_cache_slots(op, params, ctx, &device);
-  run_checked(op, device, ctx, [&] { MLAKV_DISPATCH(gather_cache, device, args, ctx); });
+  run_checked(op, device, ctx, [&] { MLAKV_DISPATCH(gather_cache, op, device, args, ctx); });
 }
 
 void gather_cache_sequences(const GatherCacheSequencesParams& params, const Context& ctx) {
@@ -122,7 +123,7 @@ void gather_cache_sequences(const GatherCacheSequencesParams& params, const Cont
   Device device;
   const core::GatherCacheArgs args =
       core::validate_gather_cache_sequences(op, params, ctx, &device);
-  run_checked(op, device, ctx, [&] { MLAKV_DISPATCH(gather_cache, device, args, ctx); });
+  run_checked(op, device, ctx, [&] { MLAKV_DISPATCH(gather_cache, op, device, args, ctx); });
 }
 
 void reset_error_counts(int32_t* error_counts, Device device, void* stream) {

@@ -275,11 +275,12 @@ void check_context(const char* op, const Context& ctx) {
               ctx.num_threads);
 }
 
-void dispatch(const core::RmsNormQuantArgs& args, Device device, const Context& ctx) {
+void dispatch(const char* op, const core::RmsNormQuantArgs& args, Device device,
+              const Context& ctx) {
   bool any = false;
   for (int i = 0; i < args.num_tasks; ++i) any = any || args.tasks[i].num_tokens > 0;
   if (!any) return;
-  MLAKV_DISPATCH(rmsnorm_quant, device, args, ctx);
+  MLAKV_DISPATCH(rmsnorm_quant, op, device, args, ctx);
 }
 
 }  // namespace
@@ -307,7 +308,7 @@ RmsNormQuantArgs validate_rmsnorm_quant(const RmsNormQuantParams& params, const 
 void rmsnorm_quant(const RmsNormQuantParams& params, const Context& ctx) {
   Device device;
   const core::RmsNormQuantArgs args = core::validate_rmsnorm_quant(params, ctx, &device);
-  dispatch(args, device, ctx);
+  dispatch("rmsnorm_quant", args, device, ctx);
 }
 
 void mla_rmsnorm_quant(const MlaRmsNormQuantParams& params, const Context& ctx) {
@@ -331,7 +332,7 @@ void mla_rmsnorm_quant(const MlaRmsNormQuantParams& params, const Context& ctx) 
                 args.tasks[1], m);
   m.check();
   check_context(kOp, ctx);
-  dispatch(args, vq.device(), ctx);
+  dispatch(kOp, args, vq.device(), ctx);
 }
 
 void per_token_group_quant_fp8(const PerTokenGroupQuantParams& params, const Context& ctx) {
@@ -345,7 +346,7 @@ void per_token_group_quant_fp8(const PerTokenGroupQuantParams& params, const Con
   args.model_dtype = params.input.dtype;
   m.check();
   check_context(kOp, ctx);
-  dispatch(args, v.device(), ctx);
+  dispatch(kOp, args, v.device(), ctx);
 }
 
 TensorView column_major_scales_view(float* data, int64_t num_rows, int64_t num_groups,

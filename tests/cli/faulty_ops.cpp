@@ -148,18 +148,18 @@ void flip(const mlakv::TensorView& v) {
   flip(v.data, offset);
 }
 
-// Flips the first or the last byte of the (latent or combined) cache, or the one after it.
-void flip(const mlakv::KVCacheView& c) {
-  const int64_t end = c.num_blocks * c.stride_block_bytes;
-  flip(c.data, fault().past ? end : fault().last ? end - 1 : 0);
+// Flips the first or the last of `end` bytes at `data`, or the one after them.
+void flip_span(void* data, int64_t end) {
+  flip(data, fault().past ? end : fault().last ? end - 1 : 0);
 }
 
-// The same for a split cache's rope part; a combined cache has none and is left alone (its cases
-// run unchanged).
+// The (latent or combined) cache's span.
+void flip(const mlakv::KVCacheView& c) { flip_span(c.data, c.num_blocks * c.stride_block_bytes); }
+
+// A split cache's rope part; a combined cache has none and is left alone (its cases run
+// unchanged).
 void flip_rope_part(const mlakv::KVCacheView& c) {
-  if (!c.is_split()) return;
-  const int64_t end = c.num_blocks * c.stride_rope_block_bytes;
-  flip(c.rope_data, fault().past ? end : fault().last ? end - 1 : 0);
+  if (c.is_split()) flip_span(c.rope_data, c.num_blocks * c.stride_rope_block_bytes);
 }
 
 // Before the op: throw or skip it. Returns whether the op is to run.

@@ -484,6 +484,8 @@ void mla_rope_cache(const MlaRopeCacheParams& p, int32_t* error_counts) {
   const int64_t L = p.kv_cache.kv_lora_rank;
   const int64_t R = p.kv_cache.rope_dim;
   const DType model = p.kv_c.dtype;
+  // With T = 0 nothing is read, a device Td included (ops.h): nothing to count.
+  if (T == 0) return;
   int64_t Td = p.num_decode_tokens;
   if (p.num_decode_tokens_device) {
     Td = *p.num_decode_tokens_device;
