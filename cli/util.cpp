@@ -158,6 +158,21 @@ int64_t first_difference(const uint8_t* a, const uint8_t* b, size_t n) {
   return -1;
 }
 
+int64_t first_badly_copied_set(const std::vector<uint8_t>& dst, int sets, size_t stride,
+                               size_t bytes) {
+  const auto all_equal = [&](size_t begin, size_t end, uint8_t value) {
+    return std::all_of(dst.begin() + static_cast<std::ptrdiff_t>(begin),
+                       dst.begin() + static_cast<std::ptrdiff_t>(end),
+                       [value](uint8_t b) { return b == value; });
+  };
+  for (int s = 0; s < sets; ++s) {
+    const size_t begin = static_cast<size_t>(s) * stride;
+    const size_t end = s + 1 < sets ? begin + stride : dst.size();
+    if (!all_equal(begin, begin + bytes, 1) || !all_equal(begin + bytes, end, 0)) return s;
+  }
+  return -1;
+}
+
 double percentile(std::vector<double> values, double p) {
   if (values.empty()) return 0.0;
   std::sort(values.begin(), values.end());

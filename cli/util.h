@@ -81,6 +81,12 @@ std::vector<uint8_t> rope_table_bytes(int64_t max_pos, int64_t R, DType dtype);
 // The first differing byte of two byte ranges of n bytes each, or -1 when they are equal.
 int64_t first_difference(const uint8_t* a, const uint8_t* b, size_t n);
 
+// The bench's check of its copy kernel: `sets` copies of `bytes` bytes each, `stride` apart, from a
+// source of 1s into `dst`, which held 0s. The first set whose span does not hold only 1s, or whose
+// gap after it (up to the next set; after the last, to dst's end) not only 0s, or -1.
+int64_t first_badly_copied_set(const std::vector<uint8_t>& dst, int sets, size_t stride,
+                               size_t bytes);
+
 // Percentile p in [0, 100] of `values` (linear interpolation); values need not be sorted.
 double percentile(std::vector<double> values, double p);
 

@@ -1,7 +1,8 @@
 // mlakv tests: the helpers behind the `mlakv` tool's verdicts and numbers (cli/util.h): the byte
 // comparison `mlakv check` and `mlakv bench` report mismatches by, the percentiles of the bench's
-// median and spread, its random cases, slot and index data and cos/sin table, its number formats,
-// and the CPU timer (cli/timer_cpu.cpp): sample counts, rotation and the copies it times.
+// median and spread, the check of its copy kernel, its random cases, slot and index data and
+// cos/sin table, its number formats, and the CPU timer (cli/timer_cpu.cpp): sample counts, rotation
+// and the copies it times.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -54,6 +55,33 @@ TEST(CliFirstDifference, FindsTheFirstDifferingByte) {
   const uint8_t y[4] = {1, 2, 3, 5};
   EXPECT_EQ(first_difference(x, y, 3), -1);
   EXPECT_EQ(first_difference(x, y, 4), 3);
+}
+
+// The bench's check of its copy kernel: a copy short by one byte, one byte past a span, a byte
+// missed or stray inside, in any set, is named by its set; the exact copy passes.
+TEST(CliCopyCheck, NamesTheFirstBadlyCopiedSet) {
+  for (const int sets : {1, 2, 5}) {
+    for (const size_t bytes : {size_t{1}, size_t{16}, size_t{100}}) {
+      const size_t stride = bytes + 37;
+      const size_t total = stride * static_cast<size_t>(sets) + 11;  // room after the last set
+      std::vector<uint8_t> good(total, 0);
+      for (int s = 0; s < sets; ++s) {
+        std::fill_n(good.begin() + s * static_cast<std::ptrdiff_t>(stride), bytes, uint8_t{1});
+      }
+      ASSERT_EQ(first_badly_copied_set(good, sets, stride, bytes), -1) << sets << " " << bytes;
+      for (int s = 0; s < sets; ++s) {
+        const size_t begin = static_cast<size_t>(s) * stride;
+        const size_t end = s + 1 < sets ? begin + stride : total;
+        for (const size_t at :
+             {begin, begin + bytes / 2, begin + bytes - 1, begin + bytes, end - 1}) {
+          std::vector<uint8_t> bad = good;
+          bad[at] ^= 1;  // a byte missed (1 -> 0) or written where it should not be (0 -> 1)
+          EXPECT_EQ(first_badly_copied_set(bad, sets, stride, bytes), s)
+              << "sets " << sets << " bytes " << bytes << " byte " << at;
+        }
+      }
+    }
+  }
 }
 
 TEST(CliPercentile, LinearBetweenTheSortedValues) {
