@@ -15,7 +15,7 @@ struct CheckOptions {
   int seeds = 20;  // random cases per named config
   uint64_t first_seed = 1;
   std::string backend = "all";  // cpu | cuda | all
-  bool verbose = false;         // one line per case instead of per config
+  bool verbose = false;         // one line per case as well as the one per config
   int device = 0;               // the CUDA backend's GPU (cuda:N)
   // mla_rope_cache | rmsnorm_quant (with mla_rmsnorm_quant, per_token_group_quant_fp8) | unfused
   // (rotary_embedding, concat_and_cache_mla, decode_q_concat, rms_norm) | gather

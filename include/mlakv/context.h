@@ -8,7 +8,9 @@ namespace mlakv {
 // Device-side error counters. An op that skips or clamps something counts it here (atomically on
 // the op's device) instead of synchronizing; the host reads the counters whenever it likes.
 enum ErrorCounter : int32_t {
-  kBadSlot = 0,         // slot >= num_blocks * block_size: cache not written (slot < 0 is padding)
+  kBadSlot = 0,         // slot >= num_blocks * block_size: cache not written (fused op,
+                        // concat_and_cache_mla) or a zero row read back (gather_cache_slots);
+                        // slot < 0 is padding
   kBadPosition = 1,     // position outside [0, max_pos): clamped into the table
   kBadDecodeCount = 2,  // device Td outside [0, T]: clamped
   kBadBlockIndex = 3,   // gather: block id outside [0, num_blocks), or a token past its block-table

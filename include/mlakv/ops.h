@@ -78,8 +78,9 @@ struct MlaRopeCacheParams {
 
 // The fused op: all of the above in one launch.
 void mla_rope_cache(const MlaRopeCacheParams& params, const Context& ctx = {});
-// Thin entry points that fix Td: all decode (Td = T), all prefill (Td = 0), or mixed (as given).
-// The decode and prefill ones ignore num_decode_tokens_device (it is neither read nor counted).
+// Thin entry points that fix Td: all decode (Td = T), all prefill (Td = 0; q required), or mixed
+// (as given). The decode and prefill ones ignore num_decode_tokens_device (it is neither read nor
+// counted).
 void mla_rope_cache_decode(MlaRopeCacheParams params, const Context& ctx = {});
 void mla_rope_cache_prefill(MlaRopeCacheParams params, const Context& ctx = {});
 void mla_rope_cache_mixed(const MlaRopeCacheParams& params, const Context& ctx = {});
