@@ -77,11 +77,12 @@ class Step:
                              q_out=self.q_out, num_decode_tokens=self.T)
 
     def unfused(self):
+        # RoPE in place on k_rot / q_rot, as an engine rotates its projections' outputs; repeated
+        # calls keep rotating the same tensors (a rotation keeps their magnitudes), so no copy
+        # restores them: the four launches are the engine's.
         kv_c = self.kv_c
         if self.norm:
             kv_c = mlakv.rms_norm(self.kv_c, self.weight, out=self.kv_normed)
-        self.k_rot.copy_(self.k_pe)
-        self.q_rot.copy_(self.q_pe)
         mlakv.rotary_embedding(self.positions, self.q_rot, self.k_rot.view(self.T, 1, self.R),
                                self.table)
         mlakv.concat_and_cache_mla(kv_c, self.k_rot, self.cache, self.slots,

@@ -119,6 +119,22 @@ class DeepseekV3MLAttention(nn.Module):
             scale = torch.tensor([c.kv_cache_scale], dtype=torch.float32, device=device)
         self.register_buffer("kv_cache_scale", scale, persistent=False)
 
+    # Buffers whose dtype is part of the op's contract: the RoPE table and the cache scale stay
+    # float32, the cache keeps its format's dtype.
+    _FIXED_DTYPE_BUFFERS = ("cos_sin_cache", "kv_cache", "kv_cache_scale")
+
+    def _apply(self, fn, recurse=True):
+        """``.to(dtype)``, ``.half()``, ``.bfloat16()`` cast the weights but not the buffers of a
+        fixed dtype: those only follow a change of device."""
+        kept = {name: self._buffers[name] for name in self._FIXED_DTYPE_BUFFERS
+                if self._buffers.get(name) is not None}
+        super()._apply(fn, recurse)
+        for name, old in kept.items():
+            new = self._buffers[name]
+            if new.dtype != old.dtype:
+                self._buffers[name] = old.to(new.device)
+        return self
+
     # ---- weights seen per head -----------------------------------------------------------------
     def _w_kv_b(self) -> torch.Tensor:
         """kv_b_proj's weight as [H, P + V, L]."""
@@ -174,7 +190,10 @@ class DeepseekV3MLAttention(nn.Module):
             outs.append(self._prefill_attention(q[Td:], kv_c_normed[Td:], k_pe_rot[Td:],
                                                 block_table[Td:], seq_lens[Td:],
                                                 prefill_query_lens))
-        attn = outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)   # [T, H, V]
+        if not outs:   # T = 0
+            attn = hidden_states.new_empty(0, self.H, self.V)
+        else:
+            attn = outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)   # [T, H, V]
         return self.o_proj(attn.reshape(T, self.H * self.V).to(self.config.dtype))
 
     def _project_q(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -188,8 +207,13 @@ class DeepseekV3MLAttention(nn.Module):
         return q.view(T, self.H, self.P + self.R)
 
     def _absorb_into(self, q: torch.Tensor, Td: int, out: torch.Tensor) -> None:
-        # [H, Td, P] @ [H, P, L] -> [H, Td, L], written through a transposed view of `out`.
-        torch.bmm(q[:Td, :, :self.P].transpose(0, 1), self.w_uk_t(), out=out.transpose(0, 1))
+        # [H, Td, P] @ [H, P, L] -> [H, Td, L], written through a transposed view of `out`. Dynamo
+        # refuses a non-contiguous out= (fullgraph=True): compiled, the product is copied in.
+        q_nope = q[:Td, :, :self.P].transpose(0, 1)
+        if torch.compiler.is_compiling():
+            out.copy_(torch.bmm(q_nope, self.w_uk_t()).transpose(0, 1))
+        else:
+            torch.bmm(q_nope, self.w_uk_t(), out=out.transpose(0, 1))
 
     def _rope_cache_fused(self, q, kv_c, k_pe, positions, slot_mapping, Td):
         T = q.shape[0]

@@ -262,8 +262,14 @@ def _quant_outputs(x, name, T, group_size, out, scales, column_major_scales):
 
 def _token_count(num_tokens, x, name):
     """T of a row tensor ``x`` (the argument ``name``): ``num_tokens`` when given, else its rows
-    (as the ops take it)."""
-    return _count(num_tokens) if num_tokens is not None else _size(x, name, 0)
+    (as the ops take it). A negative ``num_tokens`` is refused by name here, before the wrapper
+    allocates outputs of T rows."""
+    if num_tokens is None:
+        return _size(x, name, 0)
+    T = _count(num_tokens)
+    if not isinstance(T, torch.SymInt) and T < 0:
+        raise RuntimeError(f"mlakv: num_tokens: expected >= 0, got {T}")
+    return T
 
 
 def _opt_count(num_tokens):

@@ -381,35 +381,50 @@ def _gather(kv_cache, slots, kv_lora_rank, cache_format, kv_cache_scale, kv_cach
 
 
 def gather_cache_slots(kv_cache, slots, *, kv_lora_rank, cache_format="auto",
-                       kv_cache_scale=None, kv_cache_rope=None, out_dtype=torch.float32,
+                       kv_cache_scale=None, kv_cache_rope=None, out_dtype=torch.float32, out=None,
                        error_counts=None) -> torch.Tensor:
-    """Reference of ``mlakv.gather_cache_slots`` (result on the cache's device)."""
-    out = _gather(kv_cache, slots.cpu().to(torch.int64), kv_lora_rank, cache_format,
-                  kv_cache_scale, kv_cache_rope, out_dtype)
-    return out.to(kv_cache.device)
+    """Reference of ``mlakv.gather_cache_slots`` (result on the cache's device; with ``out``, its
+    first N rows written, its dtype winning, and ``out`` returned)."""
+    rows = _gather(kv_cache, slots.cpu().to(torch.int64), kv_lora_rank, cache_format,
+                   kv_cache_scale, kv_cache_rope, out.dtype if out is not None else out_dtype)
+    if out is None:
+        return rows.to(kv_cache.device)
+    out[:rows.shape[0]].copy_(rows)
+    return out
 
 
 def gather_cache_sequences(kv_cache, block_table, cu_seq_lens, num_out_rows, *, kv_lora_rank,
                            cache_format="auto", kv_cache_scale=None, kv_cache_rope=None,
-                           out_dtype=torch.float32, error_counts=None) -> torch.Tensor:
-    """Reference of ``mlakv.gather_cache_sequences``."""
+                           out_dtype=torch.float32, out=None, error_counts=None) -> torch.Tensor:
+    """Reference of ``mlakv.gather_cache_sequences`` (with ``out``: ``num_out_rows`` is its row
+    count, only the rows a sequence covers are written, and ``out`` is returned)."""
     nb, bs = kv_cache.shape[0], kv_cache.shape[1]
+    if out is not None:
+        num_out_rows, out_dtype = out.shape[0], out.dtype
     cu = cu_seq_lens.cpu().tolist()
     table = block_table.cpu().to(torch.int64)
     slots = torch.full((num_out_rows,), -1, dtype=torch.int64)
+    covered = torch.zeros(num_out_rows, dtype=torch.bool)
     for b in range(len(cu) - 1):
+        if cu[b] < 0:   # a negative start (outside the contract): the sequence is skipped (ops.h)
+            continue
         for i in range(cu[b + 1] - cu[b]):
             row = cu[b] + i
             if row >= num_out_rows:
                 break
+            covered[row] = True
             if i // bs >= table.shape[1]:  # past the block table's width: a zero row
                 continue
             block = int(table[b, i // bs])
             if 0 <= block < nb:
                 slots[row] = block * bs + i % bs
-    out = _gather(kv_cache, slots, kv_lora_rank, cache_format, kv_cache_scale, kv_cache_rope,
-                  out_dtype)
-    return out.to(kv_cache.device)
+    rows = _gather(kv_cache, slots, kv_lora_rank, cache_format, kv_cache_scale, kv_cache_rope,
+                   out_dtype)
+    if out is None:
+        return rows.to(kv_cache.device)
+    index = covered.nonzero().flatten()
+    out[index.to(out.device)] = rows[index].to(out.device)
+    return out
 
 
 # ---- RMSNorm + fp8 per-token-group quantization (docs/rmsnorm_quant.md) ------------------------
@@ -481,15 +496,16 @@ def mla_rmsnorm_quant(q_c, q_weight, kv_c, kv_weight, *, q_eps=1e-6, kv_eps=1e-6
                       column_major_scales=False, num_tokens=None):
     """Reference of ``mlakv.mla_rmsnorm_quant``: returns ``(q_out, q_scales, kv_c_out)``."""
     T = _rows(q_c, num_tokens)
-    kv_y, _ = rms_norm_rows(kv_c[:T], kv_weight, kv_eps)
+    T_kv = _rows(kv_c, num_tokens)   # each tensor's own rows unless num_tokens is given
+    kv_y, _ = rms_norm_rows(kv_c[:T_kv], kv_weight, kv_eps)
     q_out, q_scales = rmsnorm_quant(q_c, q_weight, q_eps, out=q_out, scales=q_scales,
                                     group_size=group_size, scale_floor=scale_floor,
                                     pow2_scale=pow2_scale, normed_out=q_normed_out,
                                     residual=q_residual, column_major_scales=column_major_scales,
                                     num_tokens=T)
     if kv_c_out is None:
-        kv_c_out = torch.empty(T, kv_c.shape[-1], dtype=kv_c.dtype, device=kv_c.device)
-    kv_c_out[:T].copy_(kv_y)
+        kv_c_out = torch.empty(T_kv, kv_c.shape[-1], dtype=kv_c.dtype, device=kv_c.device)
+    kv_c_out[:T_kv].copy_(kv_y)
     return q_out, q_scales, kv_c_out
 
 

@@ -226,6 +226,57 @@ def test_forward_rejects_bad_batches():
         layer(**{**inputs, "prefill_query_lens": [3]})
 
 
+@pytest.mark.parametrize("cache_format", ["bf16", "fp8_e4m3"])
+def test_dtype_casts_keep_the_fixed_dtype_buffers(cache_format):
+    """layer.to(dtype) / .half() cast the weights, not the RoPE table, the cache or its scale (the
+    ops' contract: float32 table and scale, the cache in its format's dtype). An engine's
+    layer.to(model dtype), which leaves the weights as they are, leaves the outputs as they are."""
+    layer = make_layer(cache_format=cache_format, kv_cache_scale=0.05)
+    twin = copy.deepcopy(layer)
+    names = ("cos_sin_cache", "kv_cache", "kv_cache_scale")
+    before = {name: getattr(layer, name) for name in names}
+    layer.to(layer.config.dtype)
+    outs = [PagedEngine(l, seed=5).step([], [(0, 4)])[1] for l in (layer, twin)]
+    assert torch.equal(outs[0], outs[1])
+    for cast in (lambda m: m.half(), lambda m: m.to(torch.float32)):
+        cast(layer)
+        for name, old in before.items():
+            new = getattr(layer, name)
+            assert (new is None) if old is None else (new.dtype == old.dtype), name
+    assert layer.kv_a_layernorm.dtype == torch.float32  # the weights do follow
+    assert torch.equal(layer.cos_sin_cache, before["cos_sin_cache"])  # the table's values kept
+
+
+def test_empty_batch():
+    """T = 0 (e.g. a padded engine step with nothing to do): an empty output, nothing written."""
+    layer = make_layer()
+    cache = layer.kv_cache.clone()
+    dev = layer.kv_cache.device
+    out = layer(hidden_states=torch.empty(0, layer.config.hidden_size, dtype=layer.config.dtype),
+                positions=torch.empty(0, dtype=torch.int64),
+                slot_mapping=torch.empty(0, dtype=torch.int64),
+                block_table=torch.empty(0, 6, dtype=torch.int32, device=dev),
+                seq_lens=torch.empty(0, dtype=torch.int32, device=dev), num_decode=0)
+    assert out.shape == (0, layer.config.hidden_size)
+    assert torch.equal(layer.kv_cache, cache)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_decode_step_compiles_without_graph_breaks(fused):
+    """torch.compile(fullgraph=True) of a decode-only step: no graph break (the absorbed q is copied
+    into q_out's nope part when compiled) and the eager step's output."""
+    layer = make_layer(fused=fused)
+    engine = PagedEngine(layer)
+    engine.step([], [(0, 5), (1, 3)])
+    twin = copy.deepcopy(layer)
+    inputs, eager = engine.step([0, 1], [])
+    torch._dynamo.reset()
+    compiled = torch.compile(twin, fullgraph=True, backend="eager")
+    # The twin's cache is the layer's before this step: the same step gives the same output.
+    got = compiled(**inputs)
+    assert torch.equal(got, eager)
+
+
 def test_padded_decode_row_attends_to_nothing():
     """A decode row of a padded (graph-sized) batch, seq_len 0 and no blocks, gives zeros, not NaN,
     and leaves the real row's attention as it is alone (up to the batched einsum's rounding)."""

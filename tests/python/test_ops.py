@@ -752,6 +752,44 @@ def test_gather_cache_sequences_past_the_block_table_width(device):
     assert mlakv.read_error_counts(counts)["bad_block_index"] == 5
 
 
+def test_gather_reference_with_out_and_a_negative_start(device):
+    """mlakv.reference's gathers take the wrappers' out= (its dtype wins; the sequences' op writes
+    only the covered rows), and skip a leading sequence of negative start as every backend does
+    (ops.h), not wrap it around to the last rows."""
+    cfg = MINICPM3
+    g = torch.Generator().manual_seed(23)
+    nb, bs = 4, 4
+    cache = mlakv.allocate_cache(nb, bs, cfg.L, cfg.R, "bf16", device=device)
+    kv_c = torch.randn(nb * bs, cfg.L, generator=g).to(torch.bfloat16).to(device)
+    k_pe = torch.randn(nb * bs, cfg.R, generator=g).to(torch.bfloat16).to(device)
+    mlakv.concat_and_cache_mla(kv_c, k_pe, cache, torch.arange(nb * bs, device=device),
+                               cache_format="bf16")
+    kw = dict(kv_lora_rank=cfg.L, cache_format="bf16")
+    slots = torch.tensor([3, -1, 7], device=device)
+    for op in (mlakv, ref):
+        out = torch.full((5, cfg.L + cfg.R), 7.0, device=device)
+        assert op.gather_cache_slots(cache, slots, out=out, **kw) is out
+        if op is mlakv:
+            got = out
+        else:
+            assert_bytes_equal(out, got)
+    assert bool(got[3:].eq(7).all())  # rows past N untouched
+    table = torch.tensor([[2, 0], [1, 3]], dtype=torch.int32, device=device)
+    for cu in ([0, 3, 5], [-2, 3, 5]):
+        cu = torch.tensor(cu, dtype=torch.int32, device=device)
+        for op in (mlakv, ref):
+            out = torch.full((7, cfg.L + cfg.R), 7.0, dtype=torch.bfloat16, device=device)
+            assert op.gather_cache_sequences(cache, table, cu, 0, out=out, **kw) is out
+            fresh = op.gather_cache_sequences(cache, table, cu, 4, **kw)
+            if op is mlakv:
+                got, got_fresh = out, fresh
+            else:
+                assert_bytes_equal(out, got)
+                assert_bytes_equal(fresh, got_fresh)
+        covered = 5 if int(cu[0]) == 0 else 2  # a negative start: sequence 0 skipped whole
+        assert bool(got[5:].eq(7).all()) and bool(got[:5 - covered].eq(7).all())
+
+
 # ---- what the binding and the wrappers add -------------------------------------------------------
 def test_padding_rows_of_every_per_token_input(device):
     """T is slot_mapping's length in the fused op and in concat_and_cache_mla: positions, kv_c and

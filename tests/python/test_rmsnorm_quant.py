@@ -290,6 +290,28 @@ def test_reference_ops_take_the_wrappers_arguments(column_major, device):
     assert plain[5] == 0x7F and not (plain[:5] == 0x7F).any() and not (plain[6:128] == 0x7F).any()
 
 
+def test_dual_form_rows_of_each_tensor_and_a_negative_count(device):
+    """Without num_tokens each half of mla_rmsnorm_quant takes its own tensor's rows (the op, the
+    wrapper and the reference alike); a negative num_tokens is refused by name before any output
+    is allocated."""
+    q_c = rand_rows(4, 1536, torch.bfloat16, device, seed=41, pad_rows=0)
+    w = rand_weight(1536, torch.bfloat16, device, seed=42)
+    kvw = rand_weight(512, torch.bfloat16, device, seed=43)
+    for kv_rows in (6, 3):
+        kv_c = rand_rows(kv_rows, 512, torch.bfloat16, device, seed=44, pad_rows=0)
+        got = mlakv.mla_rmsnorm_quant(q_c, w, kv_c, kvw)
+        want = ref.mla_rmsnorm_quant(q_c, w, kv_c, kvw)
+        assert got[2].shape == (kv_rows, 512)
+        for g, e in zip(got, want):
+            assert g.shape == e.shape
+            assert_bytes_equal(g, e)
+    for call in (lambda: mlakv.rmsnorm_quant(q_c, w, num_tokens=-1),
+                 lambda: mlakv.per_token_group_quant_fp8(q_c, num_tokens=-1),
+                 lambda: mlakv.mla_rmsnorm_quant(q_c, w, kv_c, kvw, num_tokens=-1)):
+        with pytest.raises(RuntimeError, match="num_tokens: expected >= 0, got -1"):
+            call()
+
+
 def test_bad_arguments_raise_and_write_nothing(device):
     T, N = 4, 1536
     x = rand_rows(T, N, torch.bfloat16, device, seed=11)
