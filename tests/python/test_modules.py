@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 
+import mlakv
 from mlakv.modules import DeepseekV3MLAttention, MLAConfig, dense_mla_reference, init_mla_weights_
 
 from conftest import requires_cuda
@@ -99,6 +100,7 @@ SCENARIO = [
     ([0, 1, 2, 3], []),                           # pure decode
     ([3, 2], [(4, 2)]),
     ([0, 1, 2, 3, 4], []),
+    ([], [(0, 2), (1, 3)]),                       # two chunks of sequences with cached context
 ]
 
 
@@ -209,11 +211,19 @@ def test_config_without_q_lora_and_plain_rope():
         engine.dense_check(seq, 1e-5)
 
 
-def test_yarn_softmax_scale():
-    layer = make_layer()
-    rs = layer.config.rope_scaling
-    m = 0.1 * rs["mscale_all_dim"] * math.log(rs["factor"]) + 1.0
+def test_yarn_softmax_scale_and_table_follow_the_config():
+    """The softmax scale takes mscale_all_dim (DeepSeek's yarn_get_mscale, squared) and the RoPE
+    table every YaRN field, mscale and mscale_all_dim distinct so that a swap shows."""
+    rs = {"factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 24.0,
+          "beta_slow": 2.0, "mscale": 0.9, "mscale_all_dim": 0.707}
+    layer = make_layer(rope_scaling=rs)
+    m = 0.1 * 0.707 * math.log(4.0) + 1.0
     assert layer.scaling == pytest.approx((layer.P + layer.R) ** -0.5 * m * m)
+    table = mlakv.yarn_cos_sin_cache(layer.R, base=layer.config.rope_theta, factor=4.0,
+                                     original_max_position=64, beta_fast=24.0, beta_slow=2.0,
+                                     mscale=0.9, mscale_all_dim=0.707,
+                                     max_position=layer.cos_sin_cache.shape[0])
+    assert torch.equal(layer.cos_sin_cache, table)
 
 
 def test_forward_rejects_bad_batches():

@@ -30,6 +30,37 @@ def test_mla_rope_cache_matches_reference(cfg, fmt, device):
     assert_bytes_equal(x.kv_c_out, y.kv_c_out)
 
 
+@pytest.mark.parametrize("fmt,top", [("fp8_e4m3", 0x7E), ("fp8_e5m2", 0x7B)])
+def test_fp8_cache_saturates(fmt, top, device):
+    """kv_c and k_pe far beyond the fp8 range (x 1e6): every written byte is the reference's, the
+    largest finite codes appear, and no inf or NaN code does (saturating rounding)."""
+    x = make_mla_inputs(TP8, fmt, device=device, seed=51)
+    x.kv_c.mul_(1e6)
+    x.k_pe.mul_(1e6)
+    y = x.clone()
+    call_mla(mlakv.mla_rope_cache, x, fmt, norm=False)
+    call_mla(ref.mla_rope_cache, y, fmt, norm=False)
+    assert_bytes_equal(x.kv_cache, y.kv_cache)
+    entries = x.kv_cache.cpu().view(torch.uint8).reshape(-1, x.kv_cache.shape[-1])
+    slots = x.slot_mapping.cpu()
+    written = entries[slots[slots >= 0]] & 0x7F  # magnitudes
+    assert bool((written == top).any()) and not bool((written > top).any())
+
+
+def test_mla_rope_cache_ds_mla_pow2_scale(device):
+    """The fused op's ds_mla_pow2_scale reaches the op: the reference's bytes with it, others
+    without it."""
+    caches = {}
+    for pow2 in (False, True):
+        x = make_mla_inputs(TP8, "fp8_ds_mla", device=device, seed=52)
+        y = x.clone()
+        call_mla(mlakv.mla_rope_cache, x, "fp8_ds_mla", norm=False, ds_mla_pow2_scale=pow2)
+        call_mla(ref.mla_rope_cache, y, "fp8_ds_mla", norm=False, ds_mla_pow2_scale=pow2)
+        assert_bytes_equal(x.kv_cache, y.kv_cache)
+        caches[pow2] = x.kv_cache.cpu()
+    assert not torch.equal(caches[False], caches[True])
+
+
 @pytest.mark.parametrize("cfg,fmt", config_format_params())
 def test_mla_rope_cache_with_norm_matches_reference(cfg, fmt, device):
     """With kv_a_layernorm fused in: the reference sums the squares in the library's order, so every
@@ -213,6 +244,12 @@ def test_rotary_embedding(is_neox, layout, device):
     ref.rotary_embedding(positions, q2, k2, table, is_neox=is_neox, head_size=hs)
     assert_bytes_equal(q, q2)
     assert_bytes_equal(k, k2)
+    if layout != "2d":  # 3-D heads give head_size: the default reads it from the query
+        q3, k3 = q2.clone(), k2.clone()
+        mlakv.rotary_embedding(positions, q2, k2, table, is_neox=is_neox)
+        ref.rotary_embedding(positions, q3, k3, table, is_neox=is_neox, head_size=hs)
+        assert_bytes_equal(q2, q3)
+        assert_bytes_equal(k2, k3)
 
 
 @pytest.mark.parametrize("cfg,fmt", config_format_params())
@@ -298,6 +335,7 @@ def test_rms_norm(dtype, N, device):
     w = (1 + 0.3 * torch.randn(N, generator=g)).to(dtype).to(device)
     out = mlakv.rms_norm(x, w, 1e-6)
     assert_bytes_equal(out, ref.rms_norm(x, w, 1e-6))
+    assert_bytes_equal(mlakv.rms_norm(x, w), out)  # the default eps is 1e-6
     inplace = x.clone()
     mlakv.rms_norm(inplace, w, 1e-6, out=inplace)
     assert_bytes_equal(inplace, out)
@@ -788,6 +826,7 @@ def test_gather_reference_with_out_and_a_negative_start(device):
                 assert_bytes_equal(fresh, got_fresh)
         covered = 5 if int(cu[0]) == 0 else 2  # a negative start: sequence 0 skipped whole
         assert bool(got[5:].eq(7).all()) and bool(got[:5 - covered].eq(7).all())
+        assert not bool(got[5 - covered:5].eq(7).any())  # the covered rows hold cache entries
 
 
 # ---- what the binding and the wrappers add -------------------------------------------------------
