@@ -372,9 +372,10 @@ def test_cuda_device_mismatch_is_an_error():
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "fp8_e4m3"])
-def test_reference_matches_plain_torch_decode_path(fmt):
+@pytest.mark.parametrize("is_neox", [False, True])
+def test_reference_matches_plain_torch_decode_path(fmt, is_neox):
     """The plain PyTorch decode path used by the benchmark agrees with the reference to fp32
-    rounding (it uses no fma)."""
+    rounding (it uses no fma), in both RoPE styles."""
     cfg = TP8
     x = make_mla_inputs(cfg, fmt, T=5, Td=5, device="cpu", seed=25)
     fill_padding_slot(x)
@@ -382,8 +383,8 @@ def test_reference_matches_plain_torch_decode_path(fmt):
     scale = x.kv_cache_scale if fmt == "fp8_e4m3" else None
     typed = x.kv_cache.view(mlakv.cache_latent_dtype(fmt))
     ref.torch_mla_rope_cache_decode(x.positions, x.slot_mapping, x.cos_sin_cache, x.kv_c, x.k_pe,
-                                    typed, x.q_pe, x.q_out, kv_cache_scale=scale)
-    call_mla(ref.mla_rope_cache, y, fmt, norm=False, prefill=False, ql_nope=None)
+                                    typed, x.q_pe, x.q_out, is_neox=is_neox, kv_cache_scale=scale)
+    call_mla(ref.mla_rope_cache, y, fmt, norm=False, prefill=False, ql_nope=None, is_neox=is_neox)
     tol = 1e-2 if fmt == "bf16" else 0.15
     torch.testing.assert_close(typed.float(), y.kv_cache.view(typed.dtype).float(), rtol=tol,
                                atol=tol)
