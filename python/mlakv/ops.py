@@ -39,6 +39,15 @@ def _count(n):
     return n if isinstance(n, torch.SymInt) else int(n)
 
 
+def _row_count(n, name):
+    """``_count(n)`` of a count the wrapper allocates rows by: a negative one is refused by name
+    (the op would name it too, but only after torch refused the allocation)."""
+    n = _count(n)
+    if not isinstance(n, torch.SymInt) and n < 0:
+        raise RuntimeError(f"mlakv: {name}: expected >= 0, got {n}")
+    return n
+
+
 def _size(t, name, dim):
     """``t.shape[dim]`` for a wrapper's own arithmetic, with the op's error (RuntimeError) for a
     0-dim tensor, whose shape has no such entry (an IndexError otherwise)."""
@@ -233,9 +242,7 @@ def gather_cache_sequences(kv_cache: torch.Tensor, block_table: torch.Tensor,
                                            block_table, cu_seq_lens, _count(num_out_rows),
                                            int(kv_lora_rank), out_dtype)
     if out is None:
-        rows = _count(num_out_rows)
-        if not isinstance(rows, torch.SymInt) and rows < 0:
-            raise RuntimeError(f"mlakv: num_out_rows: expected >= 0, got {rows}")
+        rows = _row_count(num_out_rows, "num_out_rows")
         width = gather_row_width(kv_cache, fmt, kv_lora_rank, kv_cache_rope, out_dtype)
         out = torch.zeros(rows, width, dtype=out_dtype, device=kv_cache.device)
     _ops.gather_cache_sequences_out(out, kv_cache, fmt, kv_cache_scale, kv_cache_rope,
@@ -262,14 +269,8 @@ def _quant_outputs(x, name, T, group_size, out, scales, column_major_scales):
 
 def _token_count(num_tokens, x, name):
     """T of a row tensor ``x`` (the argument ``name``): ``num_tokens`` when given, else its rows
-    (as the ops take it). A negative ``num_tokens`` is refused by name here, before the wrapper
-    allocates outputs of T rows."""
-    if num_tokens is None:
-        return _size(x, name, 0)
-    T = _count(num_tokens)
-    if not isinstance(T, torch.SymInt) and T < 0:
-        raise RuntimeError(f"mlakv: num_tokens: expected >= 0, got {T}")
-    return T
+    (as the ops take it)."""
+    return _row_count(num_tokens, "num_tokens") if num_tokens is not None else _size(x, name, 0)
 
 
 def _opt_count(num_tokens):

@@ -307,40 +307,34 @@ MLAKV_FAULT_WRAP(_ZN5mlakv22gather_cache_sequencesERKNS_26GatherCacheSequencesPa
 
 #undef MLAKV_FAULT_WRAP
 
-// The host reference (tests/reference): its outputs are what the tool compares against.
-void __real__ZN5mlakv3ref14mla_rope_cacheERKNS_18MlaRopeCacheParamsEPi(
-    const mlakv::MlaRopeCacheParams&, int32_t*);
-void __wrap__ZN5mlakv3ref14mla_rope_cacheERKNS_18MlaRopeCacheParamsEPi(
-    const mlakv::MlaRopeCacheParams& p, int32_t* error_counts) {
-  if (before("ref.mla_rope_cache")) {
-    __real__ZN5mlakv3ref14mla_rope_cacheERKNS_18MlaRopeCacheParamsEPi(p, error_counts);
+// The host reference (tests/reference): its outputs are what the tool compares against. Its ops
+// take the error counters as a pointer, or none.
+#define MLAKV_REF_FAULT_WRAP(mangled, Params, op, ...) \
+  void __real_##mangled(const Params&);                \
+  void __wrap_##mangled(const Params& p) {             \
+    if (before(op)) __real_##mangled(p);               \
+    __VA_ARGS__;                                       \
   }
-  corrupt("ref.mla_rope_cache", p, error_counts);
-}
-
-void __real__ZN5mlakv3ref13rmsnorm_quantERKNS_18RmsNormQuantParamsE(
-    const mlakv::RmsNormQuantParams&);
-void __wrap__ZN5mlakv3ref13rmsnorm_quantERKNS_18RmsNormQuantParamsE(
-    const mlakv::RmsNormQuantParams& p) {
-  if (before("ref.rmsnorm_quant"))
-    __real__ZN5mlakv3ref13rmsnorm_quantERKNS_18RmsNormQuantParamsE(p);
-  corrupt("ref.rmsnorm_quant", p);
-}
-
-void __real__ZN5mlakv3ref18gather_cache_slotsERKNS_22GatherCacheSlotsParamsEPi(
-    const mlakv::GatherCacheSlotsParams&, int32_t*);
-void __wrap__ZN5mlakv3ref18gather_cache_slotsERKNS_22GatherCacheSlotsParamsEPi(
-    const mlakv::GatherCacheSlotsParams& p, int32_t* error_counts) {
-  if (before("ref.gather_cache_slots")) {
-    __real__ZN5mlakv3ref18gather_cache_slotsERKNS_22GatherCacheSlotsParamsEPi(p, error_counts);
+#define MLAKV_REF_FAULT_WRAP_COUNTED(mangled, Params, op, ...)    \
+  void __real_##mangled(const Params&, int32_t*);                 \
+  void __wrap_##mangled(const Params& p, int32_t* error_counts) { \
+    if (before(op)) __real_##mangled(p, error_counts);            \
+    __VA_ARGS__;                                                  \
   }
-  corrupt_gather("ref.gather_cache_slots", p, error_counts);
-}
 
-void __real__ZN5mlakv3ref8rms_normERKNS_13RmsNormParamsE(const mlakv::RmsNormParams&);
-void __wrap__ZN5mlakv3ref8rms_normERKNS_13RmsNormParamsE(const mlakv::RmsNormParams& p) {
-  if (before("ref.rms_norm")) __real__ZN5mlakv3ref8rms_normERKNS_13RmsNormParamsE(p);
-  corrupt("ref.rms_norm", p);
-}
+MLAKV_REF_FAULT_WRAP_COUNTED(_ZN5mlakv3ref14mla_rope_cacheERKNS_18MlaRopeCacheParamsEPi,
+                             mlakv::MlaRopeCacheParams, "ref.mla_rope_cache",
+                             corrupt("ref.mla_rope_cache", p, error_counts))
+MLAKV_REF_FAULT_WRAP(_ZN5mlakv3ref13rmsnorm_quantERKNS_18RmsNormQuantParamsE,
+                     mlakv::RmsNormQuantParams, "ref.rmsnorm_quant",
+                     corrupt("ref.rmsnorm_quant", p))
+MLAKV_REF_FAULT_WRAP_COUNTED(_ZN5mlakv3ref18gather_cache_slotsERKNS_22GatherCacheSlotsParamsEPi,
+                             mlakv::GatherCacheSlotsParams, "ref.gather_cache_slots",
+                             corrupt_gather("ref.gather_cache_slots", p, error_counts))
+MLAKV_REF_FAULT_WRAP(_ZN5mlakv3ref8rms_normERKNS_13RmsNormParamsE, mlakv::RmsNormParams,
+                     "ref.rms_norm", corrupt("ref.rms_norm", p))
+
+#undef MLAKV_REF_FAULT_WRAP
+#undef MLAKV_REF_FAULT_WRAP_COUNTED
 
 }  // extern "C"
