@@ -422,8 +422,7 @@ def gather_cache_sequences(kv_cache, block_table, cu_seq_lens, num_out_rows, *, 
                    out_dtype)
     if out is None:
         return rows.to(kv_cache.device)
-    index = covered.nonzero().flatten()
-    out[index.to(out.device)] = rows[index].to(out.device)
+    out[covered.to(out.device)] = rows[covered].to(out.device)
     return out
 
 
