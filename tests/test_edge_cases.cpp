@@ -405,8 +405,8 @@ INSTANTIATE_TEST_SUITE_P(All, GatherEmptyTable, testing::ValuesIn(all_backends()
 // ops.h asks for cu_seq_lens[0] = 0; device data may still break that (a stale graph input). A
 // sequence whose start is negative is skipped whole on every backend: nothing is written before
 // out's first row (the buffer has poisoned rows there), its rows in out keep their contents, it is
-// not counted, and the sequences after it are read as usual. Independently of the reference,
-// which assumes the contract.
+// not counted, and the sequences after it are read as usual. The expected bytes are built
+// independently of the reference, which must then give the same.
 class GatherNegativeStart : public testing::TestWithParam<Backend> {};
 
 TEST_P(GatherNegativeStart, SequenceSkippedNothingWrittenBeforeOut) {
@@ -439,6 +439,18 @@ TEST_P(GatherNegativeStart, SequenceSkippedNothingWrittenBeforeOut) {
   EXPECT_EQ(counts_to_string(counts), kNoErrors);
   EXPECT_TRUE(bytes_equal(out.buffer->download(), planned, "out"));
   EXPECT_TRUE(buffer_unchanged(*cache.data, "kv_cache"));
+
+  // The reference skips it too (it used to write rows -3 .. -1, before out).
+  GatherCacheSequencesParams rp;
+  rp.num_seqs = 2;
+  rp.kv_cache = cache.host_view();
+  rp.block_table = block_table.host_view();
+  rp.cu_seq_lens = cu_seq_lens.host_view();
+  rp.out = out.host_view();
+  std::vector<int32_t> ref_counts(kNumErrorCounters, 0);
+  ref::gather_cache_sequences(rp, ref_counts.data());
+  EXPECT_EQ(counts_to_string(ref_counts), kNoErrors);
+  EXPECT_TRUE(bytes_equal(out.buffer->host, planned, "the reference's out"));
 }
 
 INSTANTIATE_TEST_SUITE_P(All, GatherNegativeStart, testing::ValuesIn(all_backends()),

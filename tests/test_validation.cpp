@@ -1182,6 +1182,13 @@ TEST_F(OpsValidation, RmsNorm) {
   bad.eps = -1.0f;
   expect_rejected(
       arena_, [&] { mlakv::rms_norm(bad); }, "eps");
+  bad = p;  // a row of 2^31 elements (4 GiB: views that are never dereferenced)
+  bad.num_tokens = 1;
+  bad.input = mlakv::make_view(p.input.data, DType::kBFloat16, {1, int64_t{1} << 31});
+  bad.weight = mlakv::make_view(p.weight.data, DType::kBFloat16, {int64_t{1} << 31});
+  bad.output = mlakv::make_view(arena_.sentinel(2 * L), DType::kBFloat16, {1, int64_t{1} << 31});
+  expect_rejected(
+      arena_, [&] { mlakv::rms_norm(bad); }, "input: expected N = shape[1] in [1, 2^31)");
   bad = p;
   bad.output = mlakv::make_strided_view(p.input.data, DType::kBFloat16, {1, L}, {2 * L, 1});
   bad.output.shape[0] = T;

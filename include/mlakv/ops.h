@@ -125,7 +125,7 @@ void decode_q_concat(const DecodeQConcatParams& params, const Context& ctx = {})
 // RMSNorm: output[t] = input[t] * rsqrt(mean(input[t]^2) + eps) * weight, rounded once.
 struct RmsNormParams {
   int64_t num_tokens = 0;  // T
-  TensorView input;        // [>=T, N], model dtype
+  TensorView input;        // [>=T, N], model dtype, 1 <= N < 2^31
   TensorView weight;       // [N], model dtype
   float eps = 1e-6f;       // finite, >= 0
   TensorView output;       // [>=T, N], model dtype; may be input itself

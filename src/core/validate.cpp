@@ -832,7 +832,11 @@ RmsNormArgs validate_rms_norm(const char* op, const RmsNormParams& p, const Cont
   const DType model = p.input.dtype;
   v.rows("input", p.input, T, "T");
   const int64_t N = p.input.shape[1];
-  MLAKV_ARG_CHECK(v, N >= 1, "input", "expected N = shape[1] >= 1, got ", p.input.describe());
+  // A row's sum of squares is the pairwise tree of numerics.h, whose binary counter holds 2^32 - 1
+  // arrivals (the CPU backend adds 8 elements an arrival): rows below 2^31 elements stay far
+  // inside it.
+  MLAKV_ARG_CHECK(v, N >= 1 && N < (int64_t{1} << 31), "input",
+                  "expected N = shape[1] in [1, 2^31), got ", p.input.describe());
   v.tensor("weight", p.weight, 1, "[N]");
   v.dtype("weight", p.weight, model, "the model dtype, from input");
   v.dim("weight", p.weight, 0, N, "N (from input)");

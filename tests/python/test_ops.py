@@ -387,6 +387,46 @@ def test_gather_cache_sequences(fmt, device):
     assert mlakv.read_error_counts(counts)["bad_block_index"] > 0  # block 99
 
 
+@pytest.mark.parametrize("fmt", ["bf16", "fp8_ds_mla"])
+def test_cache_past_4_gib(fmt, device):
+    """An engine's cache fills most of the GPU, so entry offsets pass 2^32 bytes. A cache of just
+    over 4 GiB whose last blocks stand in for a small one (straddling byte 2^32): the fused op
+    writes them, and both gathers read them, as the reference does in the small cache; the head,
+    where a 32-bit offset would wrap to, keeps the sentinel. Untouched memory costs nothing on the
+    CPU."""
+    cfg = TP8
+    nb, bs = 4, 64
+    x = make_mla_inputs(cfg, fmt, T=60, Td=20, device=device, num_blocks=nb, block_size=bs,
+                        seed=61)
+    y = x.clone()
+    block_bytes = bs * x.kv_cache.shape[-1]
+    shift = (2**32 - nb * block_bytes // 2) // block_bytes
+    far = torch.empty((shift + nb, bs, x.kv_cache.shape[-1]), dtype=torch.uint8, device=device)
+    far[:nb].fill_(SENTINEL)
+    far[shift:] = x.kv_cache
+    slots = x.slot_mapping
+    offsets = (shift + slots[slots >= 0].cpu() // bs) * block_bytes
+    assert bool((offsets < 2**32).any()) and bool((offsets >= 2**32).any())
+    x.kv_cache = far
+    x.slot_mapping = torch.where(slots >= 0, slots + shift * bs, slots)
+    scale = x.kv_cache_scale if fmt in FP8_FORMATS else None
+    call_mla(mlakv.mla_rope_cache, x, fmt, norm=True)
+    call_mla(ref.mla_rope_cache, y, fmt, norm=True)
+    assert_bytes_equal(far[shift:], y.kv_cache)
+    assert bool((far[:nb] == SENTINEL).all())
+    assert_bytes_equal(x.q_out, y.q_out)
+    assert_bytes_equal(x.q, y.q)
+
+    kw = dict(kv_lora_rank=cfg.L, cache_format=fmt, kv_cache_scale=scale)
+    every = torch.arange(nb * bs, device=device)
+    assert_bytes_equal(mlakv.gather_cache_slots(far, every + shift * bs, **kw),
+                       ref.gather_cache_slots(y.kv_cache, every, **kw))
+    table = torch.tensor([[3, 0], [2, 1]], dtype=torch.int32, device=device)
+    cu = torch.tensor([0, 2 * bs - 3, 4 * bs - 3], dtype=torch.int32, device=device)
+    assert_bytes_equal(mlakv.gather_cache_sequences(far, table + shift, cu, 4 * bs - 3, **kw),
+                       ref.gather_cache_sequences(y.kv_cache, table, cu, 4 * bs - 3, **kw))
+
+
 # ---- errors ------------------------------------------------------------------------------------
 def test_errors_surface_as_python_exceptions(device):
     cfg = TP8

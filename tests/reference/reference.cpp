@@ -627,6 +627,7 @@ void gather_cache_sequences(const GatherCacheSequencesParams& p, int32_t* error_
   for (int64_t b = 0; b < p.num_seqs; ++b) {
     const int64_t begin = load_index(p.cu_seq_lens, b);
     const int64_t end = load_index(p.cu_seq_lens, b + 1);
+    if (begin < 0) continue;  // outside the contract: skipped whole (ops.h)
     for (int64_t i = 0; i < end - begin; ++i) {
       const int64_t row_index = begin + i;
       if (row_index >= p.out.shape[0]) break;

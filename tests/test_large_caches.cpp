@@ -1,0 +1,382 @@
+// mlakv tests: caches past 4 GiB. An engine's cache takes most of the GPU's memory (tens of GiB),
+// so entry offsets pass 2^31 and 2^32 bytes, and a 1-byte format's element indices do too: every op
+// that writes or reads the cache must address it in 64 bits (DESIGN.md allows extents up to 2^56).
+//
+// Each test puts the blocks of a small TestCache at the end of a cache of just over 4 GiB (a
+// FarCache), so that its blocks sit on both sides of the 2^32-byte mark, and runs the op there with
+// the slots / block ids shifted to match. Afterwards the far blocks must hold exactly the bytes the
+// reference wrote into (or read from) the small cache, and the head of the far cache, where an
+// offset truncated to 32 bits would land, must still hold the sentinel. A truncation to a signed
+// 32-bit offset points before the allocation: ASan (CPU, in CI) and compute-sanitizer (CUDA) see
+// that. Only the tail and the head are ever touched, so on the CPU the rest of the allocation costs
+// no memory.
+#include <gtest/gtest.h>
+
+#include <memory>
+#include <numeric>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "fused_problem.h"
+#include "reference/reference.h"
+
+namespace mlakv {
+namespace test {
+namespace {
+
+constexpr int64_t kMark = int64_t{1} << 32;  // the far blocks straddle this byte offset
+
+// One allocation of the backend's device memory, freed with it.
+class DeviceMemory {
+ public:
+  DeviceMemory(Device device, int64_t bytes)
+      : device_(device), ptr_(device_alloc(device, static_cast<size_t>(bytes))) {}
+  ~DeviceMemory() {
+    try {
+      device_free(device_, ptr_);
+    } catch (const Error& e) {
+      ADD_FAILURE() << "freeing a far cache: " << e.what();
+    }
+  }
+  DeviceMemory(const DeviceMemory&) = delete;
+  DeviceMemory& operator=(const DeviceMemory&) = delete;
+  char* get() const { return static_cast<char*>(ptr_); }
+
+ private:
+  Device device_;
+  void* ptr_;
+};
+
+// One part of a cache (the combined entries, or a split cache's latent or rope part): small's
+// blocks are the last ones of a far allocation whose blocks are far_block_bytes apart (at least
+// small's block_bytes; the rest of a far block is a gap that stays the sentinel).
+struct FarPart {
+  const Buffer* small = nullptr;
+  int64_t num_blocks = 0;  // small's
+  int64_t block_bytes = 0;
+  int64_t far_block_bytes = 0;
+  int64_t tail_offset = 0;  // shift_blocks * far_block_bytes
+  std::unique_ptr<DeviceMemory> memory;
+
+  int64_t tail_bytes() const { return num_blocks * far_block_bytes; }
+  std::vector<uint8_t> download(int64_t offset, int64_t bytes) const {
+    std::vector<uint8_t> out(static_cast<size_t>(bytes));
+    device_synchronize(small->device());
+    copy_device_to_host(small->device(), out.data(), memory->get() + offset, out.size());
+    return out;
+  }
+};
+
+// A cache of the small cache's geometry with shift_blocks more blocks in front of small's. Its
+// tail starts with small's initial contents (Buffer::initial), its head (as many bytes as the
+// tail) with the sentinel; nothing else of it is written or read. A split cache's rope blocks are
+// as far apart as its latent blocks, so that both parts straddle the mark.
+class FarCache {
+ public:
+  explicit FarCache(const TestCache& small) : small_(small) {
+    const KVCacheView v = small.device_view();
+    const int64_t n = small.geometry.num_blocks;
+    EXPECT_EQ(static_cast<int64_t>(small.data->bytes()), n * v.stride_block_bytes)
+        << "blocks not packed";
+    // The tail's middle at the mark: tail_offset <= kMark - tail / 2 < kMark < tail end.
+    shift_blocks_ = (kMark - n * v.stride_block_bytes / 2) / v.stride_block_bytes;
+    add_part(*small.data, v.stride_block_bytes, v.stride_block_bytes);
+    if (small.rope_data)
+      add_part(*small.rope_data, v.stride_rope_block_bytes, v.stride_block_bytes);
+  }
+
+  int64_t shift_blocks() const { return shift_blocks_; }
+  int64_t shift_slots() const { return shift_blocks_ * small_.geometry.block_size; }
+  // Byte offset in the far cache's latent part of small's slot s.
+  int64_t far_offset(int64_t s) const {
+    const KVCacheView v = small_.host_view();
+    return parts_[0].tail_offset + s / v.block_size * v.stride_block_bytes +
+           s % v.block_size * v.stride_token_bytes;
+  }
+
+  KVCacheView device_view() const {
+    KVCacheView v = small_.device_view();
+    v.num_blocks += shift_blocks_;
+    v.data = parts_[0].memory->get();
+    if (parts_.size() > 1) {
+      v.rope_data = parts_[1].memory->get();
+      v.stride_rope_block_bytes = parts_[1].far_block_bytes;
+    }
+    return v;
+  }
+
+  // Copies the far blocks into the small cache's device buffers, where the usual comparisons can
+  // look at them, and expects each part's head and the gaps of its far blocks still to be the
+  // sentinel.
+  void copy_tail_to_small_and_check_head() const {
+    for (const FarPart& part : parts_) {
+      const std::vector<uint8_t> tail = part.download(part.tail_offset, part.tail_bytes());
+      std::vector<uint8_t> blocks, gaps;
+      for (int64_t b = 0; b < part.num_blocks; ++b) {
+        const auto first = tail.begin() + b * part.far_block_bytes;
+        blocks.insert(blocks.end(), first, first + part.block_bytes);
+        gaps.insert(gaps.end(), first + part.block_bytes, first + part.far_block_bytes);
+      }
+      copy_host_to_device(part.small->device(), part.small->device_ptr(), blocks.data(),
+                          blocks.size());
+      EXPECT_TRUE(bytes_equal(gaps, std::vector<uint8_t>(gaps.size(), kSentinelByte),
+                              "the gaps between the far cache's blocks"));
+      const std::vector<uint8_t> head = part.download(0, part.tail_bytes());
+      EXPECT_TRUE(bytes_equal(head, std::vector<uint8_t>(head.size(), kSentinelByte),
+                              "the far cache's head"));
+    }
+  }
+
+ private:
+  void add_part(const Buffer& small, int64_t block_bytes, int64_t far_block_bytes) {
+    const Device dev = small.device();
+    FarPart part;
+    part.small = &small;
+    part.num_blocks = small_.geometry.num_blocks;
+    part.block_bytes = block_bytes;
+    part.far_block_bytes = far_block_bytes;
+    part.tail_offset = shift_blocks_ * far_block_bytes;
+    part.memory = std::make_unique<DeviceMemory>(dev, part.tail_offset + part.tail_bytes());
+    device_memset(dev, part.memory->get(), kSentinelByte, static_cast<size_t>(part.tail_bytes()));
+    device_memset(dev, part.memory->get() + part.tail_offset, kSentinelByte,
+                  static_cast<size_t>(part.tail_bytes()));
+    for (int64_t b = 0; b < part.num_blocks; ++b) {
+      copy_host_to_device(dev, part.memory->get() + part.tail_offset + b * far_block_bytes,
+                          small.initial.data() + b * block_bytes, static_cast<size_t>(block_bytes));
+    }
+    parts_.push_back(std::move(part));
+  }
+
+  const TestCache& small_;
+  int64_t shift_blocks_ = 0;
+  std::vector<FarPart> parts_;
+};
+
+// Indices shifted into the far cache: non-negative values move by `shift` (an index past the
+// small cache's end stays past the far cache's), negative ones (padding) stay.
+Tensor shifted(Device device, const Tensor& indices, int64_t count, int64_t shift) {
+  std::vector<int64_t> values(static_cast<size_t>(count));
+  for (int64_t i = 0; i < count; ++i) {
+    const int64_t v = indices.host_index(i);
+    values[static_cast<size_t>(i)] = v < 0 ? v : v + shift;
+  }
+  return index_tensor(device, indices.dtype, values);
+}
+
+// Expects the entries written (slot in [0, num_slots)) on both sides of the mark.
+void expect_straddles(const FarCache& far, const TestCache& small, const Tensor& slots, int64_t n) {
+  bool below = false, above = false;
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t s = slots.host_index(i);
+    if (s < 0 || s >= small.num_slots()) continue;
+    (far.far_offset(s) < kMark ? below : above) = true;
+  }
+  EXPECT_TRUE(below && above) << "the test's entries should lie on both sides of 2^32 bytes";
+}
+
+struct LargeCase {
+  std::string name;
+  CacheFormat format;
+  bool split;
+  float scale;  // per-tensor fp8 only
+};
+void PrintTo(const LargeCase& c, std::ostream* os) { *os << c.name; }
+
+std::vector<LargeCase> large_cases() {
+  return {
+      {"bf16", CacheFormat::kBFloat16, false, 0},
+      {"e4m3_scaled", CacheFormat::kFloat8E4M3, false, 0.043f},
+      {"dsmla", CacheFormat::kFloat8DsMla, false, 0},
+      {"bf16_split", CacheFormat::kBFloat16, true, 0},
+      {"e5m2_split_scaled", CacheFormat::kFloat8E5M2, true, 0.043f},
+  };
+}
+
+class LargeCache : public testing::TestWithParam<std::tuple<Backend, LargeCase>> {
+ protected:
+  Device device() const { return std::get<0>(GetParam()).device; }
+  const LargeCase& large_case() const { return std::get<1>(GetParam()); }
+  CacheGeometry geometry() const {
+    CacheGeometry g;
+    g.format = large_case().format;
+    g.split = large_case().split;
+    g.scale = large_case().scale;
+    g.block_size = 64;
+    return g;
+  }
+};
+
+// The fused op (a mixed batch with the K side's norm, padding and a slot past the end) writes the
+// far blocks as the reference writes the small ones; its other outputs are the usual.
+TEST_P(LargeCache, FusedOpWritesPast4GiB) {
+  FusedSpec spec;
+  spec.name = large_case().name;
+  spec.shape = kDeepSeekV3Tp8;
+  spec.T = 40;
+  spec.Td = 13;
+  spec.cache = geometry();
+  spec.norm = true;
+  spec.k_pe_out = true;
+  spec.padding_every = 7;
+  spec.bad_slots = 2;
+  spec.seed = 2026;
+  FusedProblem problem(spec, device());
+  FarCache far(problem.cache);
+  expect_straddles(far, problem.cache, problem.slot_mapping, spec.T);
+  const std::vector<int32_t> expected = problem.run_reference();
+
+  MlaRopeCacheParams p = problem.params(false);
+  p.kv_cache = far.device_view();
+  const Tensor far_slots = shifted(device(), problem.slot_mapping, problem.rows, far.shift_slots());
+  p.slot_mapping = far_slots.device_view();
+  Context ctx;
+  ctx.error_counts = problem.counts.device_ptr();
+  mla_rope_cache(p, ctx);
+  EXPECT_EQ(counts_to_string(problem.counts.read()), counts_to_string(expected));
+  far.copy_tail_to_small_and_check_head();
+  problem.expect_matches();
+}
+
+// concat_and_cache_mla, the unfused cache write.
+TEST_P(LargeCache, ConcatAndCacheWritesPast4GiB) {
+  const Device dev = device();
+  std::mt19937_64 rng(31);
+  CacheGeometry g = geometry();
+  g.num_blocks = 4;
+  TestCache small = new_cache(dev, g);
+  small.data->upload();
+  if (small.rope_data) small.rope_data->upload();
+  if (small.scale.present()) small.scale.buffer->upload();
+  FarCache far(small);
+  const int64_t T = 50, rows = T + 2;
+  Tensor kv_c = random_tensor(dev, DType::kBFloat16, {rows, g.L}, rng);
+  Tensor k_pe = random_tensor(dev, DType::kBFloat16, {rows, g.R}, rng);
+  std::vector<int64_t> slot_values(static_cast<size_t>(small.num_slots()));
+  std::iota(slot_values.begin(), slot_values.end(), 0);
+  std::shuffle(slot_values.begin(), slot_values.end(), rng);
+  slot_values.resize(static_cast<size_t>(rows));
+  slot_values[3] = -1;                  // padding
+  slot_values[8] = small.num_slots();   // past the end: counted, not written
+  slot_values[T] = slot_values[T + 1];  // rows >= T: never read
+  Tensor slots = index_tensor(dev, DType::kInt64, slot_values);
+  expect_straddles(far, small, slots, T);
+
+  ConcatAndCacheMlaParams p;
+  p.num_tokens = T;
+  p.kv_c = kv_c.host_view();
+  p.k_pe = k_pe.host_view();
+  p.slot_mapping = slots.host_view();
+  p.kv_cache = small.host_view();
+  std::vector<int32_t> expected(kNumErrorCounters, 0);
+  ref::concat_and_cache_mla(p, expected.data());
+  EXPECT_EQ(expected[kBadSlot], 1);
+
+  const Tensor far_slots = shifted(dev, slots, rows, far.shift_slots());
+  p.kv_c = kv_c.device_view();
+  p.k_pe = k_pe.device_view();
+  p.slot_mapping = far_slots.device_view();
+  p.kv_cache = far.device_view();
+  ErrorCounts counts(dev);
+  Context ctx;
+  ctx.error_counts = counts.device_ptr();
+  concat_and_cache_mla(p, ctx);
+  EXPECT_EQ(counts_to_string(counts.read()), counts_to_string(expected));
+  far.copy_tail_to_small_and_check_head();
+  std::vector<int64_t> written;
+  for (int64_t t = 0; t < T; ++t) {
+    if (slot_values[t] >= 0 && slot_values[t] < small.num_slots())
+      written.push_back(slot_values[t]);
+  }
+  expect_cache_matches(small, written, "kv_cache");
+}
+
+// The read-back: both gathers read the far blocks as the reference reads the small ones.
+TEST_P(LargeCache, GathersReadPast4GiB) {
+  const Device dev = device();
+  std::mt19937_64 rng(37);
+  CacheGeometry g = geometry();
+  g.num_blocks = 4;
+  TestCache small = new_cache(dev, g);
+  fill_cache_with_entries(dev, small, rng);
+  FarCache far(small);
+  const int64_t n = small.num_slots(), D = g.L + g.R;
+
+  // Slots: every entry once, shuffled, then padding and one past the end.
+  std::vector<int64_t> slot_values(static_cast<size_t>(n));
+  std::iota(slot_values.begin(), slot_values.end(), 0);
+  std::shuffle(slot_values.begin(), slot_values.end(), rng);
+  slot_values.push_back(-1);
+  slot_values.push_back(n);
+  const int64_t N = static_cast<int64_t>(slot_values.size());
+  Tensor slots = index_tensor(dev, DType::kInt64, slot_values);
+  expect_straddles(far, small, slots, N);
+  Tensor expected_out = poisoned_tensor(dev, DType::kBFloat16, {N, D});
+  Tensor out = poisoned_tensor(dev, DType::kBFloat16, {N, D});
+  GatherCacheSlotsParams sp;
+  sp.num_tokens = N;
+  sp.kv_cache = small.host_view();
+  sp.slots = slots.host_view();
+  sp.out = expected_out.host_view();
+  std::vector<int32_t> expected(kNumErrorCounters, 0);
+  ref::gather_cache_slots(sp, expected.data());
+  EXPECT_EQ(expected[kBadSlot], 1);
+  const Tensor far_slots = shifted(dev, slots, N, far.shift_slots());
+  sp.kv_cache = far.device_view();
+  sp.slots = far_slots.device_view();
+  sp.out = out.device_view();
+  ErrorCounts counts(dev);
+  Context ctx;
+  ctx.error_counts = counts.device_ptr();
+  gather_cache_slots(sp, ctx);
+  EXPECT_EQ(counts_to_string(counts.read()), counts_to_string(expected));
+  EXPECT_TRUE(bytes_equal(out.buffer->download(), expected_out.buffer->host, "out of the slots"));
+
+  // Sequences: two of the small cache's blocks each, in reverse order, and one past the end.
+  const int64_t B = 2, bs = g.block_size;
+  Tensor block_table = index_tensor(dev, DType::kInt32, {3, 2, 1, g.num_blocks});
+  block_table = block_table.view(0, {B, 2}, {2, 1});
+  Tensor cu_seq_lens = index_tensor(dev, DType::kInt32, {0, 2 * bs - 5, 4 * bs - 5});
+  const int64_t out_rows = 4 * bs - 5;
+  Tensor expected_seq = poisoned_tensor(dev, DType::kFloat32, {out_rows, D});
+  Tensor seq_out = poisoned_tensor(dev, DType::kFloat32, {out_rows, D});
+  GatherCacheSequencesParams qp;
+  qp.num_seqs = B;
+  qp.kv_cache = small.host_view();
+  qp.block_table = block_table.host_view();
+  qp.cu_seq_lens = cu_seq_lens.host_view();
+  qp.out = expected_seq.host_view();
+  std::vector<int32_t> expected_seq_counts(kNumErrorCounters, 0);
+  ref::gather_cache_sequences(qp, expected_seq_counts.data());
+  EXPECT_GT(expected_seq_counts[kBadBlockIndex], 0);
+  const Tensor far_table =
+      shifted(dev, block_table.view(0, {2 * B}, {1}), 2 * B, far.shift_blocks());
+  qp.kv_cache = far.device_view();
+  qp.block_table = far_table.view(0, {B, 2}, {2, 1}).device_view();
+  qp.out = seq_out.device_view();
+  ErrorCounts seq_counts(dev);
+  ctx.error_counts = seq_counts.device_ptr();
+  gather_cache_sequences(qp, ctx);
+  EXPECT_EQ(counts_to_string(seq_counts.read()), counts_to_string(expected_seq_counts));
+  EXPECT_TRUE(
+      bytes_equal(seq_out.buffer->download(), expected_seq.buffer->host, "out of the sequences"));
+
+  far.copy_tail_to_small_and_check_head();
+  EXPECT_TRUE(buffer_unchanged(*small.data, "kv_cache"));
+  if (small.rope_data) {
+    EXPECT_TRUE(buffer_unchanged(*small.rope_data, "rope cache"));
+  }
+}
+
+std::string case_name(const testing::TestParamInfo<std::tuple<Backend, LargeCase>>& info) {
+  return std::get<0>(info.param).name + "_" + std::get<1>(info.param).name;
+}
+
+INSTANTIATE_TEST_SUITE_P(All, LargeCache,
+                         testing::Combine(testing::ValuesIn(all_backends()),
+                                          testing::ValuesIn(large_cases())),
+                         case_name);
+
+}  // namespace
+}  // namespace test
+}  // namespace mlakv
