@@ -353,6 +353,7 @@ TEST_P(LargeCache, GathersReadPast4GiB) {
       shifted(dev, block_table.view(0, {2 * B}, {1}), 2 * B, far.shift_blocks());
   qp.kv_cache = far.device_view();
   qp.block_table = far_table.view(0, {B, 2}, {2, 1}).device_view();
+  qp.cu_seq_lens = cu_seq_lens.device_view();
   qp.out = seq_out.device_view();
   ErrorCounts seq_counts(dev);
   ctx.error_counts = seq_counts.device_ptr();
