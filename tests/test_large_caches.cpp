@@ -1,6 +1,7 @@
-// mlakv tests: caches past 4 GiB. An engine's cache takes most of the GPU's memory (tens of GiB),
-// so entry offsets pass 2^31 and 2^32 bytes, and a 1-byte format's element indices do too: every op
-// that writes or reads the cache must address it in 64 bits (DESIGN.md allows extents up to 2^56).
+// mlakv tests: caches and rows past 4 GiB. An engine's cache takes most of the GPU's memory (tens
+// of GiB), so entry offsets pass 2^31 and 2^32 bytes, and a 1-byte format's element indices do too:
+// every op that writes or reads the cache must address it in 64 bits (DESIGN.md allows extents up
+// to 2^56).
 //
 // Each test puts the blocks of a small TestCache at the end of a cache of just over 4 GiB (a
 // FarCache), so that its blocks sit on both sides of the 2^32-byte mark, and runs the op there with
@@ -9,7 +10,8 @@
 // offset truncated to 32 bits would land, must still hold the sentinel. A truncation to a signed
 // 32-bit offset points before the allocation: ASan (CPU, in CI) and compute-sanitizer (CUDA) see
 // that. Only the tail and the head are ever touched, so on the CPU the rest of the allocation costs
-// no memory.
+// no memory. Per-token tensors get the same treatment from FarRows: rows far apart, up to byte 2^33
+// (a prefill q of ~90K tokens passes 2^31 elements, one of ~180K tokens 2^32).
 #include <gtest/gtest.h>
 
 #include <memory>
@@ -151,6 +153,59 @@ class FarCache {
   const TestCache& small_;
   int64_t shift_blocks_ = 0;
   std::vector<FarPart> parts_;
+};
+
+// A tensor's rows moved far apart: row r of `t` (its dim 0) lives at r * row_stride_bytes of a
+// far allocation, its last row at 2^33 bytes (2^32 elements of 16 bits) and the rows of its second
+// half past 2^32 bytes, as in a prefill q of 90K-180K tokens. The rows start as t's initial
+// contents (Buffer::initial); copy_back() puts them, as the op left them, into t's device buffer,
+// where the usual comparisons see them.
+class FarRows {
+ public:
+  explicit FarRows(const Tensor& t) : t_(t) {
+    const int64_t elem = static_cast<int64_t>(dtype_size(t.dtype));
+    const int64_t rows = t.shape[0];
+    span_bytes_ = elem;
+    for (size_t d = 1; d < t.shape.size(); ++d)
+      span_bytes_ += (t.shape[d] - 1) * t.stride[d] * elem;
+    // The last row at 2 * kMark or just past it (so row rows / 2 past kMark); 256-byte aligned.
+    row_stride_bytes_ = ((2 * kMark + rows - 2) / (rows - 1) + 255) / 256 * 256;
+    memory_ = std::make_unique<DeviceMemory>(t.buffer->device(),
+                                             (rows - 1) * row_stride_bytes_ + span_bytes_);
+    for (int64_t r = 0; r < rows; ++r) {
+      copy_host_to_device(t.buffer->device(), memory_->get() + r * row_stride_bytes_,
+                          t.buffer->initial.data() + row_offset(r),
+                          static_cast<size_t>(span_bytes_));
+    }
+  }
+
+  TensorView device_view() const {
+    TensorView v = t_.device_view();
+    v.data = memory_->get();
+    v.stride[0] = row_stride_bytes_ / static_cast<int64_t>(dtype_size(t_.dtype));
+    return v;
+  }
+
+  void copy_back() const {
+    const Device dev = t_.buffer->device();
+    device_synchronize(dev);
+    std::vector<uint8_t> row(static_cast<size_t>(span_bytes_));
+    for (int64_t r = 0; r < t_.shape[0]; ++r) {
+      copy_device_to_host(dev, row.data(), memory_->get() + r * row_stride_bytes_, row.size());
+      copy_host_to_device(dev, static_cast<char*>(t_.buffer->device_ptr()) + row_offset(r),
+                          row.data(), row.size());
+    }
+  }
+
+ private:
+  int64_t row_offset(int64_t r) const {
+    return (t_.offset + r * t_.stride[0]) * static_cast<int64_t>(dtype_size(t_.dtype));
+  }
+
+  Tensor t_;
+  int64_t span_bytes_ = 0;
+  int64_t row_stride_bytes_ = 0;
+  std::unique_ptr<DeviceMemory> memory_;
 };
 
 // Indices shifted into the far cache: non-negative values move by `shift` (an index past the
@@ -324,12 +379,14 @@ TEST_P(LargeCache, GathersReadPast4GiB) {
   const Tensor far_slots = shifted(dev, slots, N, far.shift_slots());
   sp.kv_cache = far.device_view();
   sp.slots = far_slots.device_view();
-  sp.out = out.device_view();
+  const FarRows far_out(out);  // out's rows past 2^32 bytes too, as in a long context's gather
+  sp.out = far_out.device_view();
   ErrorCounts counts(dev);
   Context ctx;
   ctx.error_counts = counts.device_ptr();
   gather_cache_slots(sp, ctx);
   EXPECT_EQ(counts_to_string(counts.read()), counts_to_string(expected));
+  far_out.copy_back();
   EXPECT_TRUE(bytes_equal(out.buffer->download(), expected_out.buffer->host, "out of the slots"));
 
   // Sequences: two of the small cache's blocks each, in reverse order, and one past the end.
@@ -377,6 +434,45 @@ INSTANTIATE_TEST_SUITE_P(All, LargeCache,
                          testing::Combine(testing::ValuesIn(all_backends()),
                                           testing::ValuesIn(large_cases())),
                          case_name);
+
+// The fused op with q (prefill rows, rotated in place) and q_out (decode rows) rows 2^33 / 7 bytes
+// apart (FarRows): the rows of tokens 4 and up start past 2^32 bytes, the last token's at 2^32
+// elements.
+// The cache stays small (one combined cache of each kind of entry).
+class LargeRows : public testing::TestWithParam<Backend> {};
+
+TEST_P(LargeRows, FusedOpQRowsPast4GiB) {
+  for (CacheFormat format :
+       {CacheFormat::kBFloat16, CacheFormat::kFloat8E4M3, CacheFormat::kFloat8DsMla}) {
+    SCOPED_TRACE(cache_format_name(format));
+    FusedSpec spec;
+    spec.name = cache_format_name(format);
+    spec.shape = kDeepSeekV3Tp8;
+    spec.T = 8;   // no rows past T: the last token's q row is the one at 2^33 bytes
+    spec.Td = 6;  // q_out rows 5 and q rows 6, 7 past 2^32 bytes
+    spec.extra_rows = 0;
+    spec.cache.format = format;
+    spec.cache.block_size = 64;
+    spec.cache.scale = format == CacheFormat::kFloat8E4M3 ? 0.043f : 0.0f;
+    spec.norm = true;
+    spec.seed = 2027;
+    FusedProblem problem(spec, GetParam().device);
+    const FarRows q(problem.q), q_out(problem.q_out);
+    const std::vector<int32_t> expected = problem.run_reference();
+    MlaRopeCacheParams p = problem.params(false);
+    p.q = q.device_view();
+    p.q_out = q_out.device_view();
+    Context ctx;
+    ctx.error_counts = problem.counts.device_ptr();
+    mla_rope_cache(p, ctx);
+    EXPECT_EQ(counts_to_string(problem.counts.read()), counts_to_string(expected));
+    q.copy_back();
+    q_out.copy_back();
+    problem.expect_matches();
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(All, LargeRows, testing::ValuesIn(all_backends()), backend_param_name);
 
 }  // namespace
 }  // namespace test
