@@ -1,21 +1,27 @@
 // mlakv tests: caches and rows past 4 GiB. An engine's cache takes most of the GPU's memory (tens
 // of GiB), so entry offsets pass 2^31 and 2^32 bytes, and a 1-byte format's element indices do too:
-// every op that writes or reads the cache must address it in 64 bits (DESIGN.md allows extents up
-// to 2^56).
+// every op that writes or reads the cache must address it in 64 bits (the validators allow extents
+// up to 2^56: decisions.md).
 //
 // Each test puts the blocks of a small TestCache at the end of a cache of just over 4 GiB (a
 // FarCache), so that its blocks sit on both sides of the 2^32-byte mark, and runs the op there with
 // the slots / block ids shifted to match. Afterwards the far blocks must hold exactly the bytes the
 // reference wrote into (or read from) the small cache, and the head of the far cache, where an
 // offset truncated to 32 bits would land, must still hold the sentinel. A truncation to a signed
-// 32-bit offset points before the allocation: ASan (CPU, in CI) and compute-sanitizer (CUDA) see
-// that. Only the tail and the head are ever touched, so on the CPU the rest of the allocation costs
-// no memory. Per-token tensors get the same treatment from FarRows: rows far apart, up to byte 2^33
-// (a prefill q of ~90K tokens passes 2^31 elements, one of ~180K tokens 2^32).
+// 32-bit offset points before the allocation: into another of the test's allocations (the
+// comparisons see it) or outside any (ASan on the CPU, in CI; compute-sanitizer on CUDA). Per-token
+// tensors get the same treatment from FarRows: rows far apart, the last at byte 2^33 (a prefill q
+// of ~90K tokens passes 2^31 elements, one of ~180K tokens 2^32).
+//
+// Only the tail and the head of a far allocation are touched, so on the CPU the rest of it costs
+// no memory. On CUDA it does: a test takes up to ~17 GB of device memory (two far tensors of
+// 8.6 GB, or a split far cache and a far gather output), which a GPU of 24 GB or more has.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <memory>
 #include <numeric>
+#include <random>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -79,6 +85,7 @@ class FarCache {
   explicit FarCache(const TestCache& small) : small_(small) {
     const KVCacheView v = small.device_view();
     const int64_t n = small.geometry.num_blocks;
+    // (A constructor cannot ASSERT: the test goes on, and its comparisons fail.)
     EXPECT_EQ(static_cast<int64_t>(small.data->bytes()), n * v.stride_block_bytes)
         << "blocks not packed";
     // The tail's middle at the mark: tail_offset <= kMark - tail / 2 < kMark < tail end.
@@ -168,8 +175,12 @@ class FarRows {
     span_bytes_ = elem;
     for (size_t d = 1; d < t.shape.size(); ++d)
       span_bytes_ += (t.shape[d] - 1) * t.stride[d] * elem;
+    // Rows of one piece each, apart from one another, at least two of them (the layouts of the
+    // tensors moved here; a head-major view would need another copy).
+    EXPECT_GE(rows, 2);
+    EXPECT_LE(span_bytes_, t.stride[0] * elem) << "rows that overlap";
     // The last row at 2 * kMark or just past it (so row rows / 2 past kMark); 256-byte aligned.
-    row_stride_bytes_ = ((2 * kMark + rows - 2) / (rows - 1) + 255) / 256 * 256;
+    row_stride_bytes_ = ((2 * kMark + rows - 2) / std::max<int64_t>(rows - 1, 1) + 255) / 256 * 256;
     memory_ = std::make_unique<DeviceMemory>(t.buffer->device(),
                                              (rows - 1) * row_stride_bytes_ + span_bytes_);
     for (int64_t r = 0; r < rows; ++r) {
@@ -435,10 +446,9 @@ INSTANTIATE_TEST_SUITE_P(All, LargeCache,
                                           testing::ValuesIn(large_cases())),
                          case_name);
 
-// The fused op with q (prefill rows, rotated in place) and q_out (decode rows) rows 2^33 / 7 bytes
-// apart (FarRows): the rows of tokens 4 and up start past 2^32 bytes, the last token's at 2^32
-// elements.
-// The cache stays small (one combined cache of each kind of entry).
+// The fused op with q (prefill rows, rotated in place) and q_out (decode rows) far apart (FarRows):
+// each one's last row at 2^33 bytes, 2^32 elements of 16 bits. The cache stays small (one combined
+// cache of each kind of entry).
 class LargeRows : public testing::TestWithParam<Backend> {};
 
 TEST_P(LargeRows, FusedOpQRowsPast4GiB) {
@@ -448,9 +458,13 @@ TEST_P(LargeRows, FusedOpQRowsPast4GiB) {
     FusedSpec spec;
     spec.name = cache_format_name(format);
     spec.shape = kDeepSeekV3Tp8;
-    spec.T = 8;   // no rows past T: the last token's q row is the one at 2^33 bytes
-    spec.Td = 6;  // q_out rows 5 and q rows 6, 7 past 2^32 bytes
+    // No rows past T, and q_out of exactly Td rows: the last row of each, written, is the one at
+    // 2^33 bytes. Past 2^32 bytes: q_out rows 3-5, q rows 4-7 (4 and 5 are decode rows, which the
+    // op does not touch in q).
+    spec.T = 8;
+    spec.Td = 6;
     spec.extra_rows = 0;
+    spec.decode_rows_exact = true;
     spec.cache.format = format;
     spec.cache.block_size = 64;
     spec.cache.scale = format == CacheFormat::kFloat8E4M3 ? 0.043f : 0.0f;
