@@ -190,6 +190,20 @@ std::string counts_to_string(const std::vector<int32_t>& counts);
 struct BothCounts {
   std::vector<int32_t> expected, got;
 };
+// `fill` sets both sides' params (fill_host_and_device); `reference` runs on the host side's, `op`
+// (the backend) on the device side's, counting into a fresh ErrorCounts on `device`.
+template <typename Params, typename Fill, typename Ref, typename Op>
+BothCounts run_both(Device device, Fill fill, Ref reference, Op op) {
+  Params host, dev;
+  fill_host_and_device(host, dev, fill);
+  std::vector<int32_t> expected(kNumErrorCounters, 0);
+  reference(host, expected.data());
+  ErrorCounts counts(device);
+  Context ctx;
+  ctx.error_counts = counts.device_ptr();
+  op(dev, ctx);
+  return {expected, counts.read()};
+}
 BothCounts gather_slots_both(const TestCache& cache, int64_t num_tokens, const Tensor& slots,
                              const Tensor& out);
 BothCounts gather_sequences_both(const TestCache& cache, int64_t num_seqs,

@@ -104,6 +104,8 @@ class FarCache {
            s % v.block_size * v.stride_token_bytes;
   }
 
+  // The reference's side of a call (fill_host_and_device): the small cache.
+  KVCacheView host_view() const { return small_.host_view(); }
   KVCacheView device_view() const {
     KVCacheView v = small_.device_view();
     v.num_blocks += shift_blocks_;
@@ -190,6 +192,7 @@ class FarRows {
     }
   }
 
+  TensorView host_view() const { return t_.host_view(); }  // the reference's side: t itself
   TensorView device_view() const {
     TensorView v = t_.device_view();
     v.data = memory_->get();
@@ -220,14 +223,40 @@ class FarRows {
 };
 
 // Indices shifted into the far cache: non-negative values move by `shift` (an index past the
-// small cache's end stays past the far cache's), negative ones (padding) stay.
-Tensor shifted(Device device, const Tensor& indices, int64_t count, int64_t shift) {
-  std::vector<int64_t> values(static_cast<size_t>(count));
-  for (int64_t i = 0; i < count; ++i) {
-    const int64_t v = indices.host_index(i);
-    values[static_cast<size_t>(i)] = v < 0 ? v : v + shift;
+// small cache's end stays past the far cache's), negative ones (padding) stay. The host side is
+// `indices` itself (the reference reads the small cache); the device side a shifted copy of the
+// whole buffer behind it, viewed alike.
+class Shifted {
+ public:
+  Shifted(const Tensor& indices, int64_t shift) : indices_(indices) {
+    const int64_t count = static_cast<int64_t>(indices.buffer->bytes() / dtype_size(indices.dtype));
+    const Tensor all = indices.view(0, {count}, {1});
+    std::vector<int64_t> values(static_cast<size_t>(all.shape[0]));
+    for (size_t i = 0; i < values.size(); ++i) {
+      const int64_t v = all.host_index(static_cast<int64_t>(i));
+      values[i] = v < 0 ? v : v + shift;
+    }
+    shifted_ = index_tensor(indices.buffer->device(), indices.dtype, values)
+                   .view(indices.offset, indices.shape, indices.stride);
   }
-  return index_tensor(device, indices.dtype, values);
+  TensorView host_view() const { return indices_.host_view(); }
+  TensorView device_view() const { return shifted_.device_view(); }
+
+ private:
+  Tensor indices_, shifted_;
+};
+
+// The problem's reference, then the library on its device params as `relocate` changes them
+// (onto far buffers), with the reference's counters expected.
+template <typename Relocate>
+void run_fused_relocated(FusedProblem& problem, Relocate relocate) {
+  const std::vector<int32_t> expected = problem.run_reference();
+  MlaRopeCacheParams p = problem.params(false);
+  relocate(&p);
+  Context ctx;
+  ctx.error_counts = problem.counts.device_ptr();
+  mla_rope_cache(p, ctx);
+  EXPECT_EQ(counts_to_string(problem.counts.read()), counts_to_string(expected));
 }
 
 // Expects the entries written (slot in [0, num_slots)) on both sides of the mark.
@@ -288,18 +317,13 @@ TEST_P(LargeCache, FusedOpWritesPast4GiB) {
   spec.bad_slots = 2;
   spec.seed = 2026;
   FusedProblem problem(spec, device());
-  FarCache far(problem.cache);
+  const FarCache far(problem.cache);
   expect_straddles(far, problem.cache, problem.slot_mapping, spec.T);
-  const std::vector<int32_t> expected = problem.run_reference();
-
-  MlaRopeCacheParams p = problem.params(false);
-  p.kv_cache = far.device_view();
-  const Tensor far_slots = shifted(device(), problem.slot_mapping, problem.rows, far.shift_slots());
-  p.slot_mapping = far_slots.device_view();
-  Context ctx;
-  ctx.error_counts = problem.counts.device_ptr();
-  mla_rope_cache(p, ctx);
-  EXPECT_EQ(counts_to_string(problem.counts.read()), counts_to_string(expected));
+  const Shifted far_slots(problem.slot_mapping, far.shift_slots());
+  run_fused_relocated(problem, [&](MlaRopeCacheParams* p) {
+    p->kv_cache = far.device_view();
+    p->slot_mapping = far_slots.device_view();
+  });
   far.copy_tail_to_small_and_check_head();
   problem.expect_matches();
 }
@@ -328,26 +352,20 @@ TEST_P(LargeCache, ConcatAndCacheWritesPast4GiB) {
   Tensor slots = index_tensor(dev, DType::kInt64, slot_values);
   expect_straddles(far, small, slots, T);
 
-  ConcatAndCacheMlaParams p;
-  p.num_tokens = T;
-  p.kv_c = kv_c.host_view();
-  p.k_pe = k_pe.host_view();
-  p.slot_mapping = slots.host_view();
-  p.kv_cache = small.host_view();
-  std::vector<int32_t> expected(kNumErrorCounters, 0);
-  ref::concat_and_cache_mla(p, expected.data());
-  EXPECT_EQ(expected[kBadSlot], 1);
-
-  const Tensor far_slots = shifted(dev, slots, rows, far.shift_slots());
-  p.kv_c = kv_c.device_view();
-  p.k_pe = k_pe.device_view();
-  p.slot_mapping = far_slots.device_view();
-  p.kv_cache = far.device_view();
-  ErrorCounts counts(dev);
-  Context ctx;
-  ctx.error_counts = counts.device_ptr();
-  concat_and_cache_mla(p, ctx);
-  EXPECT_EQ(counts_to_string(counts.read()), counts_to_string(expected));
+  const Shifted far_slots(slots, far.shift_slots());
+  const BothCounts counts = run_both<ConcatAndCacheMlaParams>(
+      dev,
+      [&](ConcatAndCacheMlaParams* p, auto v) {
+        p->num_tokens = T;
+        p->kv_c = v(kv_c);
+        p->k_pe = v(k_pe);
+        p->slot_mapping = v(far_slots);
+        p->kv_cache = v(far);
+      },
+      [](const ConcatAndCacheMlaParams& p, int32_t* c) { ref::concat_and_cache_mla(p, c); },
+      [](const ConcatAndCacheMlaParams& p, const Context& ctx) { concat_and_cache_mla(p, ctx); });
+  EXPECT_EQ(counts.expected[kBadSlot], 1);
+  EXPECT_EQ(counts_to_string(counts.got), counts_to_string(counts.expected));
   far.copy_tail_to_small_and_check_head();
   std::vector<int64_t> written;
   for (int64_t t = 0; t < T; ++t) {
@@ -377,58 +395,47 @@ TEST_P(LargeCache, GathersReadPast4GiB) {
   const int64_t N = static_cast<int64_t>(slot_values.size());
   Tensor slots = index_tensor(dev, DType::kInt64, slot_values);
   expect_straddles(far, small, slots, N);
-  Tensor expected_out = poisoned_tensor(dev, DType::kBFloat16, {N, D});
   Tensor out = poisoned_tensor(dev, DType::kBFloat16, {N, D});
-  GatherCacheSlotsParams sp;
-  sp.num_tokens = N;
-  sp.kv_cache = small.host_view();
-  sp.slots = slots.host_view();
-  sp.out = expected_out.host_view();
-  std::vector<int32_t> expected(kNumErrorCounters, 0);
-  ref::gather_cache_slots(sp, expected.data());
-  EXPECT_EQ(expected[kBadSlot], 1);
-  const Tensor far_slots = shifted(dev, slots, N, far.shift_slots());
-  sp.kv_cache = far.device_view();
-  sp.slots = far_slots.device_view();
+  const Shifted far_slots(slots, far.shift_slots());
   const FarRows far_out(out);  // out's rows past 2^32 bytes too, as in a long context's gather
-  sp.out = far_out.device_view();
-  ErrorCounts counts(dev);
-  Context ctx;
-  ctx.error_counts = counts.device_ptr();
-  gather_cache_slots(sp, ctx);
-  EXPECT_EQ(counts_to_string(counts.read()), counts_to_string(expected));
+  const BothCounts counts = run_both<GatherCacheSlotsParams>(
+      dev,
+      [&](GatherCacheSlotsParams* p, auto v) {
+        p->num_tokens = N;
+        p->kv_cache = v(far);
+        p->slots = v(far_slots);
+        p->out = v(far_out);
+      },
+      [](const GatherCacheSlotsParams& p, int32_t* c) { ref::gather_cache_slots(p, c); },
+      [](const GatherCacheSlotsParams& p, const Context& ctx) { gather_cache_slots(p, ctx); });
+  EXPECT_EQ(counts.expected[kBadSlot], 1);
+  EXPECT_EQ(counts_to_string(counts.got), counts_to_string(counts.expected));
   far_out.copy_back();
-  EXPECT_TRUE(bytes_equal(out.buffer->download(), expected_out.buffer->host, "out of the slots"));
+  EXPECT_TRUE(buffer_matches(*out.buffer, "out of the slots"));
 
   // Sequences: two of the small cache's blocks each, in reverse order, and one past the end.
   const int64_t B = 2, bs = g.block_size;
-  Tensor block_table = index_tensor(dev, DType::kInt32, {3, 2, 1, g.num_blocks});
-  block_table = block_table.view(0, {B, 2}, {2, 1});
-  Tensor cu_seq_lens = index_tensor(dev, DType::kInt32, {0, 2 * bs - 5, 4 * bs - 5});
-  const int64_t out_rows = 4 * bs - 5;
-  Tensor expected_seq = poisoned_tensor(dev, DType::kFloat32, {out_rows, D});
-  Tensor seq_out = poisoned_tensor(dev, DType::kFloat32, {out_rows, D});
-  GatherCacheSequencesParams qp;
-  qp.num_seqs = B;
-  qp.kv_cache = small.host_view();
-  qp.block_table = block_table.host_view();
-  qp.cu_seq_lens = cu_seq_lens.host_view();
-  qp.out = expected_seq.host_view();
-  std::vector<int32_t> expected_seq_counts(kNumErrorCounters, 0);
-  ref::gather_cache_sequences(qp, expected_seq_counts.data());
-  EXPECT_GT(expected_seq_counts[kBadBlockIndex], 0);
-  const Tensor far_table =
-      shifted(dev, block_table.view(0, {2 * B}, {1}), 2 * B, far.shift_blocks());
-  qp.kv_cache = far.device_view();
-  qp.block_table = far_table.view(0, {B, 2}, {2, 1}).device_view();
-  qp.cu_seq_lens = cu_seq_lens.device_view();
-  qp.out = seq_out.device_view();
-  ErrorCounts seq_counts(dev);
-  ctx.error_counts = seq_counts.device_ptr();
-  gather_cache_sequences(qp, ctx);
-  EXPECT_EQ(counts_to_string(seq_counts.read()), counts_to_string(expected_seq_counts));
-  EXPECT_TRUE(
-      bytes_equal(seq_out.buffer->download(), expected_seq.buffer->host, "out of the sequences"));
+  const Tensor block_table =
+      index_tensor(dev, DType::kInt32, {3, 2, 1, g.num_blocks}).view(0, {B, 2}, {2, 1});
+  const Shifted far_table(block_table, far.shift_blocks());
+  const Tensor cu_seq_lens = index_tensor(dev, DType::kInt32, {0, 2 * bs - 5, 4 * bs - 5});
+  const Tensor seq_out = poisoned_tensor(dev, DType::kFloat32, {4 * bs - 5, D});
+  const BothCounts seq_counts = run_both<GatherCacheSequencesParams>(
+      dev,
+      [&](GatherCacheSequencesParams* p, auto v) {
+        p->num_seqs = B;
+        p->kv_cache = v(far);
+        p->block_table = v(far_table);
+        p->cu_seq_lens = v(cu_seq_lens);
+        p->out = v(seq_out);
+      },
+      [](const GatherCacheSequencesParams& p, int32_t* c) { ref::gather_cache_sequences(p, c); },
+      [](const GatherCacheSequencesParams& p, const Context& ctx) {
+        gather_cache_sequences(p, ctx);
+      });
+  EXPECT_GT(seq_counts.expected[kBadBlockIndex], 0);
+  EXPECT_EQ(counts_to_string(seq_counts.got), counts_to_string(seq_counts.expected));
+  EXPECT_TRUE(buffer_matches(*seq_out.buffer, "out of the sequences"));
 
   far.copy_tail_to_small_and_check_head();
   EXPECT_TRUE(buffer_unchanged(*small.data, "kv_cache"));
@@ -472,14 +479,10 @@ TEST_P(LargeRows, FusedOpQRowsPast4GiB) {
     spec.seed = 2027;
     FusedProblem problem(spec, GetParam().device);
     const FarRows q(problem.q), q_out(problem.q_out);
-    const std::vector<int32_t> expected = problem.run_reference();
-    MlaRopeCacheParams p = problem.params(false);
-    p.q = q.device_view();
-    p.q_out = q_out.device_view();
-    Context ctx;
-    ctx.error_counts = problem.counts.device_ptr();
-    mla_rope_cache(p, ctx);
-    EXPECT_EQ(counts_to_string(problem.counts.read()), counts_to_string(expected));
+    run_fused_relocated(problem, [&](MlaRopeCacheParams* p) {
+      p->q = q.device_view();
+      p->q_out = q_out.device_view();
+    });
     q.copy_back();
     q_out.copy_back();
     problem.expect_matches();
