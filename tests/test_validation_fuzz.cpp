@@ -1,0 +1,444 @@
+// mlakv tests: argument validation under random breakage. Each case builds a valid call on a
+// backend's memory, breaks one argument in a way the contract forbids, and expects mlakv::Error
+// whose message names that argument, with nothing written: every buffer (outputs, cache, in-place
+// inputs, error counters) keeps its initial bytes. test_validation.cpp holds one hand-written case
+// per rule; this file applies every rule below to every tensor of several random calls.
+//
+// The breakages of a tensor (each rule of validate.cpp's Validator::tensor):
+//   - one dim more (a trailing dim of size 1) or one fewer;
+//   - a negative size;
+//   - an innermost stride of 2, or a negative outer stride (on a dim of size > 1);
+//   - an unknown dtype, or one of the wrong kind (an integer type for values, a float for
+//     indices);
+//   - data misaligned for its dtype, or null for a view of bytes;
+//   - another device than the op's (the message may then name the tensor the op's device came
+//     from, so only the rejection and the untouched buffers are checked).
+// And of the call: a negative token count, a host Td past T, a negative eps, an unknown RoPE
+// style, and a cache with a bad geometry, format or null data.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <functional>
+#include <limits>
+#include <random>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "fused_problem.h"
+
+namespace mlakv {
+namespace test {
+namespace {
+
+enum class Breakage {
+  kMoreDims,
+  kFewerDims,
+  kNegativeSize,
+  kInnerStride,
+  kNegativeStride,
+  kUnknownDtype,
+  kWrongKindDtype,
+  kMisaligned,
+  kNull,
+  kOtherDevice,
+};
+constexpr Breakage kBreakages[] = {Breakage::kMoreDims,       Breakage::kFewerDims,
+                                   Breakage::kNegativeSize,   Breakage::kInnerStride,
+                                   Breakage::kNegativeStride, Breakage::kUnknownDtype,
+                                   Breakage::kWrongKindDtype, Breakage::kMisaligned,
+                                   Breakage::kNull,           Breakage::kOtherDevice};
+
+const char* breakage_name(Breakage b) {
+  switch (b) {
+    case Breakage::kMoreDims:
+      return "one dim more";
+    case Breakage::kFewerDims:
+      return "one dim fewer";
+    case Breakage::kNegativeSize:
+      return "a negative size";
+    case Breakage::kInnerStride:
+      return "innermost stride 2";
+    case Breakage::kNegativeStride:
+      return "a negative outer stride";
+    case Breakage::kUnknownDtype:
+      return "an unknown dtype";
+    case Breakage::kWrongKindDtype:
+      return "a dtype of the wrong kind";
+    case Breakage::kMisaligned:
+      return "misaligned data";
+    case Breakage::kNull:
+      return "null data";
+    case Breakage::kOtherDevice:
+      return "another device";
+  }
+  return "?";
+}
+
+bool is_index_dtype(DType d) { return d == DType::kInt32 || d == DType::kInt64; }
+
+// `t` broken by `b`, or false where the breakage does not apply to this view (a view it cannot
+// break: an innermost dim of size 1 has no stride to break, a 1-byte dtype no alignment).
+bool break_view(TensorView* t, Breakage b, Device op_device) {
+  const int n = t->ndim;
+  switch (b) {
+    case Breakage::kMoreDims:
+      if (n >= kMaxDims) return false;
+      t->shape[n] = 1;
+      t->stride[n] = 1;
+      t->ndim = n + 1;
+      return true;
+    case Breakage::kFewerDims:
+      if (n < 2) return false;  // no dims at all means absent, which optional views may be
+      t->ndim = n - 1;
+      return true;
+    case Breakage::kNegativeSize:
+      t->shape[n - 1] = -1;
+      return true;
+    case Breakage::kInnerStride:
+      if (t->shape[n - 1] <= 1) return false;
+      t->stride[n - 1] = 2;
+      return true;
+    case Breakage::kNegativeStride:
+      for (int d = 0; d + 1 < n; ++d) {
+        if (t->shape[d] > 1) {
+          t->stride[d] = -t->stride[d];
+          return true;
+        }
+      }
+      return false;
+    case Breakage::kUnknownDtype:
+      t->dtype = static_cast<DType>(99);
+      return true;
+    case Breakage::kWrongKindDtype:
+      t->dtype = is_index_dtype(t->dtype) ? DType::kFloat32 : DType::kInt32;
+      return true;
+    case Breakage::kMisaligned:
+      if (dtype_size(t->dtype) < 2 || t->data == nullptr) return false;
+      t->data = static_cast<char*>(t->data) + 1;
+      return true;
+    case Breakage::kNull:
+      if (t->data == nullptr || t->numel() == 0) return false;
+      t->data = nullptr;
+      return true;
+    case Breakage::kOtherDevice:
+      t->device = op_device.type == DeviceType::kCPU ? Device{DeviceType::kCUDA, 0} : Device{};
+      return true;
+  }
+  return false;
+}
+
+// Calls `call`, expecting mlakv::Error whose message names `name` (when not empty).
+void expect_refused(const std::function<void()>& call, const std::string& name,
+                    const std::string& what) {
+  SCOPED_TRACE(what);
+  try {
+    call();
+    ADD_FAILURE() << "accepted";
+  } catch (const Error& e) {
+    if (!name.empty()) {
+      EXPECT_NE(std::string(e.what()).find(name), std::string::npos)
+          << "the message does not name " << name << ": " << e.what();
+    }
+  }
+}
+
+// Every buffer of `buffers` still holds its initial bytes, and the counters are 0.
+void expect_untouched(const std::vector<const Buffer*>& buffers, const ErrorCounts& counts,
+                      const std::string& what) {
+  SCOPED_TRACE(what);
+  for (const Buffer* b : buffers) EXPECT_TRUE(buffer_unchanged(*b, "a buffer of the call"));
+  EXPECT_EQ(counts_to_string(counts.read()), counts_to_string({0, 0, 0, 0}));
+}
+
+// The buffers of tensors (absent ones skipped) and of a cache.
+std::vector<const Buffer*> buffers_of(std::initializer_list<const Tensor*> tensors,
+                                      const TestCache* cache = nullptr) {
+  std::vector<const Buffer*> out;
+  for (const Tensor* t : tensors) {
+    if (t->present()) out.push_back(t->buffer.get());
+  }
+  if (cache != nullptr) {
+    out.push_back(cache->data.get());
+    if (cache->rope_data) out.push_back(cache->rope_data.get());
+    if (cache->scale.present()) out.push_back(cache->scale.buffer.get());
+  }
+  return out;
+}
+
+// One valid call of an op: its params (device views, made afresh for every breakage), its tensors
+// by the names its messages use, and how to run it.
+template <typename Params>
+struct Call {
+  std::string label;
+  std::function<Params()> params;
+  std::function<std::vector<std::pair<std::string, TensorView*>>(Params*)> tensors;
+  std::function<void(const Params&, const Context&)> run;
+  std::vector<const Buffer*> buffers;  // every buffer the call reads or writes
+};
+
+// Breaks every present tensor of the call with every breakage that applies; returns how many
+// broken calls were refused.
+template <typename Params>
+int break_every_tensor(const Call<Params>& call, Device device) {
+  const ErrorCounts counts(device);
+  Context ctx;
+  ctx.error_counts = counts.device_ptr();
+  int refused = 0;
+  for (Breakage b : kBreakages) {
+    Params probe = call.params();
+    const size_t num_tensors = call.tensors(&probe).size();
+    for (size_t i = 0; i < num_tensors; ++i) {
+      Params p = call.params();
+      auto [name, view] = call.tensors(&p)[i];
+      if (!view->present() || !break_view(view, b, device)) continue;
+      const std::string what = call.label + ": " + name + " with " + breakage_name(b);
+      expect_refused([&] { call.run(p, ctx); }, b == Breakage::kOtherDevice ? "" : name, what);
+      expect_untouched(call.buffers, counts, what);
+      ++refused;
+    }
+  }
+  return refused;
+}
+
+std::vector<const Buffer*> buffers_of(const FusedProblem& f) {
+  return buffers_of({&f.positions, &f.slot_mapping, &f.cos_sin, &f.kv_c, &f.k_pe, &f.weight,
+                     &f.k_pe_out, &f.kv_c_out, &f.q_pe, &f.ql_nope, &f.q_out, &f.q_scale, &f.q,
+                     &f.q_prefill_out, &f.device_td},
+                    &f.cache);
+}
+
+// The tensors of a fused call, by the names its messages use.
+std::vector<std::pair<std::string, TensorView*>> tensors_of(MlaRopeCacheParams* p) {
+  return {{"positions", &p->positions},
+          {"slot_mapping", &p->slot_mapping},
+          {"cos_sin_cache", &p->cos_sin_cache},
+          {"kv_c", &p->kv_c},
+          {"k_pe", &p->k_pe},
+          {"kv_norm_weight", &p->kv_norm_weight},
+          {"k_pe_out", &p->k_pe_out},
+          {"kv_c_out", &p->kv_c_out},
+          {"q_pe", &p->q_pe},
+          {"ql_nope", &p->ql_nope},
+          {"q_out", &p->q_out},
+          {"q", &p->q},
+          {"q_prefill_out", &p->q_prefill_out}};
+}
+
+std::vector<FusedSpec> fuzz_specs() {
+  std::vector<FusedSpec> specs;
+  FusedSpec s;
+  s.name = "bf16_norm_outs";
+  s.T = 9;
+  s.Td = 4;
+  s.norm = true;
+  s.k_pe_out = true;
+  s.kv_c_out = true;
+  specs.push_back(s);
+
+  s = FusedSpec{};
+  s.name = "e4m3_qout_fp8_prefill_out";
+  s.T = 6;
+  s.Td = 2;
+  s.cache.format = CacheFormat::kFloat8E4M3;
+  s.cache.scale = 0.05f;
+  s.q_out_dtype = DType::kFloat8E4M3;
+  s.q_scale = 0.02f;
+  s.prefill_out = true;
+  s.index32 = true;
+  specs.push_back(s);
+
+  s = FusedSpec{};
+  s.name = "dsmla_split_kv_fp16_table";
+  s.T = 5;
+  s.Td = 5;
+  s.cache.format = CacheFormat::kFloat8DsMla;
+  s.kv_a_fused = true;
+  s.table_dtype = DType::kFloat16;
+  specs.push_back(s);
+
+  s = FusedSpec{};
+  s.name = "fp16_split_cache_device_td";
+  s.T = 7;
+  s.Td = 3;
+  s.model = DType::kFloat16;
+  s.cache.format = CacheFormat::kFloat16;
+  s.cache.split = true;
+  s.device_td = true;
+  s.device_td_value = 3;
+  s.style = RopeStyle::kNeox;
+  specs.push_back(s);
+  return specs;
+}
+
+class ValidationFuzz : public testing::TestWithParam<Backend> {};
+
+TEST_P(ValidationFuzz, FusedOpRefusesEveryBrokenTensor) {
+  const Device dev = GetParam().device;
+  int refused = 0;
+  for (const FusedSpec& spec : fuzz_specs()) {
+    const FusedProblem problem(spec, dev);
+    Call<MlaRopeCacheParams> call;
+    call.label = spec.name;
+    call.params = [&] { return problem.params(false); };
+    call.tensors = tensors_of;
+    call.run = [](const MlaRopeCacheParams& p, const Context& ctx) { mla_rope_cache(p, ctx); };
+    call.buffers = buffers_of(problem);
+    refused += break_every_tensor(call, dev);
+  }
+  EXPECT_GT(refused, 300);  // the breakages applied, not skipped
+}
+
+// rmsnorm_quant with a residual and a normalized output, its scales row- or column-major.
+TEST_P(ValidationFuzz, RmsNormQuantRefusesEveryBrokenTensor) {
+  const Device dev = GetParam().device;
+  std::mt19937_64 rng(71);
+  int refused = 0;
+  for (const int64_t N : {int64_t{1536}, int64_t{512}}) {
+    for (const bool column_major : {false, true}) {
+      const int64_t T = 5, rows = T + 2, G = 128;
+      const Tensor x = random_tensor(dev, DType::kBFloat16, {rows, N}, rng);
+      const Tensor w = random_tensor(dev, DType::kBFloat16, {N}, rng);
+      const Tensor residual = random_tensor(dev, DType::kBFloat16, {rows, N}, rng);
+      const Tensor normed = poisoned_tensor(dev, DType::kBFloat16, {rows, N});
+      const Tensor values = poisoned_tensor(dev, DType::kFloat8E4M3, {rows, N});
+      const int64_t S = rows + 1;  // column-major: groups S floats apart
+      const Tensor scale_buffer = poisoned_tensor(dev, DType::kFloat32, {(N / G) * S});
+      const Tensor scales = column_major ? scale_buffer.view(0, {rows, N / G}, {1, S})
+                                         : scale_buffer.view(0, {rows, N / G}, {N / G, 1});
+      Call<RmsNormQuantParams> call;
+      call.label = "N " + std::to_string(N) + (column_major ? " column-major" : " row-major");
+      call.params = [&] {
+        RmsNormQuantParams p;
+        p.num_tokens = T;
+        p.input = x.device_view();
+        p.weight = w.device_view();
+        p.residual = residual.device_view();
+        p.normed_out = normed.device_view();
+        p.quant.values = values.device_view();
+        p.quant.scales = scales.device_view();
+        p.quant.group_size = G;
+        return p;
+      };
+      call.tensors = [](RmsNormQuantParams* p) -> std::vector<std::pair<std::string, TensorView*>> {
+        return {{"input", &p->input},
+                {"weight", &p->weight},
+                {"residual", &p->residual},
+                {"normed_out", &p->normed_out},
+                {"quant.values", &p->quant.values},
+                {"quant.scales", &p->quant.scales}};
+      };
+      call.run = [](const RmsNormQuantParams& p, const Context& ctx) { rmsnorm_quant(p, ctx); };
+      call.buffers = buffers_of({&x, &w, &residual, &normed, &values, &scale_buffer});
+      refused += break_every_tensor(call, dev);
+    }
+  }
+  EXPECT_GT(refused, 150);
+}
+
+// Both gathers, from a split fp8 cache and a combined fp8_ds_mla one.
+TEST_P(ValidationFuzz, GathersRefuseEveryBrokenTensor) {
+  const Device dev = GetParam().device;
+  std::mt19937_64 rng(73);
+  int refused = 0;
+  for (const CacheFormat format : {CacheFormat::kFloat8E4M3, CacheFormat::kFloat8DsMla}) {
+    CacheGeometry g;
+    g.format = format;
+    g.split = format == CacheFormat::kFloat8E4M3;
+    g.scale = g.split ? 0.05f : 0.0f;
+    g.num_blocks = 4;
+    g.block_size = 16;
+    TestCache cache = new_cache(dev, g);
+    fill_cache_with_entries(dev, cache, rng);
+    const int64_t D = g.L + g.R;
+    const Tensor slots = index_tensor(dev, DType::kInt64, {3, 60, -1, 17, 0});
+    const Tensor out = poisoned_tensor(dev, DType::kFloat32, {5, D});
+    Call<GatherCacheSlotsParams> slots_call;
+    slots_call.label = std::string(cache_format_name(format)) + " slots";
+    slots_call.params = [&] {
+      GatherCacheSlotsParams p;
+      p.num_tokens = 5;
+      p.kv_cache = cache.device_view();
+      p.slots = slots.device_view();
+      p.out = out.device_view();
+      return p;
+    };
+    slots_call.tensors =
+        [](GatherCacheSlotsParams* p) -> std::vector<std::pair<std::string, TensorView*>> {
+      return {{"slots", &p->slots}, {"out", &p->out}};
+    };
+    slots_call.run = [](const GatherCacheSlotsParams& p, const Context& ctx) {
+      gather_cache_slots(p, ctx);
+    };
+    slots_call.buffers = buffers_of({&slots, &out}, &cache);
+    refused += break_every_tensor(slots_call, dev);
+
+    const Tensor table = index_tensor(dev, DType::kInt32, {2, 0, 3, 1}).view(0, {2, 2}, {2, 1});
+    const Tensor cu = index_tensor(dev, DType::kInt32, {0, 20, 29});
+    const Tensor seq_out = poisoned_tensor(dev, DType::kBFloat16, {29, D});
+    Call<GatherCacheSequencesParams> seq_call;
+    seq_call.label = std::string(cache_format_name(format)) + " sequences";
+    seq_call.params = [&] {
+      GatherCacheSequencesParams p;
+      p.num_seqs = 2;
+      p.kv_cache = cache.device_view();
+      p.block_table = table.device_view();
+      p.cu_seq_lens = cu.device_view();
+      p.out = seq_out.device_view();
+      return p;
+    };
+    seq_call.tensors =
+        [](GatherCacheSequencesParams* p) -> std::vector<std::pair<std::string, TensorView*>> {
+      return {{"block_table", &p->block_table}, {"cu_seq_lens", &p->cu_seq_lens}, {"out", &p->out}};
+    };
+    seq_call.run = [](const GatherCacheSequencesParams& p, const Context& ctx) {
+      gather_cache_sequences(p, ctx);
+    };
+    seq_call.buffers = buffers_of({&table, &cu, &seq_out}, &cache);
+    refused += break_every_tensor(seq_call, dev);
+  }
+  EXPECT_GT(refused, 60);
+}
+
+// The call's other arguments: counts, eps, the RoPE style and the cache.
+TEST_P(ValidationFuzz, FusedOpRefusesEveryBrokenScalarAndCache) {
+  const Device dev = GetParam().device;
+  for (const FusedSpec& spec : fuzz_specs()) {
+    FusedProblem problem(spec, dev);
+    const int64_t T = spec.T;
+    const std::vector<std::pair<std::string, std::function<void(MlaRopeCacheParams*)>>> breaks = {
+        {"num_tokens", [](MlaRopeCacheParams* p) { p->num_tokens = -1; }},
+        {"num_decode_tokens", [&](MlaRopeCacheParams* p) { p->num_decode_tokens = T + 1; }},
+        {"num_decode_tokens", [](MlaRopeCacheParams* p) { p->num_decode_tokens = -1; }},
+        {"kv_norm_eps", [](MlaRopeCacheParams* p) { p->kv_norm_eps = -1.0f; }},
+        {"kv_norm_eps",
+         [](MlaRopeCacheParams* p) { p->kv_norm_eps = std::numeric_limits<float>::quiet_NaN(); }},
+        {"rope_style", [](MlaRopeCacheParams* p) { p->rope_style = static_cast<RopeStyle>(7); }},
+        {"kv_cache", [](MlaRopeCacheParams* p) { p->kv_cache.block_size = 0; }},
+        {"kv_cache", [](MlaRopeCacheParams* p) { p->kv_cache.num_blocks = -1; }},
+        {"kv_cache",
+         [](MlaRopeCacheParams* p) { p->kv_cache.format = static_cast<CacheFormat>(42); }},
+        {"kv_cache", [](MlaRopeCacheParams* p) { p->kv_cache.data = nullptr; }},
+        {"kv_cache", [](MlaRopeCacheParams* p) { p->kv_cache.stride_token_bytes = -1; }},
+    };
+    for (const auto& [name, apply] : breaks) {
+      MlaRopeCacheParams p = problem.params(false);
+      // eps is looked at only with a norm weight, the host Td only without a device Td.
+      if (name == "kv_norm_eps" && !p.kv_norm_weight.present()) continue;
+      if (name == "num_decode_tokens" && p.num_decode_tokens_device != nullptr) continue;
+      apply(&p);
+      const std::string what = spec.name + ": " + name;
+      Context ctx;
+      ctx.error_counts = problem.counts.device_ptr();
+      expect_refused([&] { mla_rope_cache(p, ctx); }, name, what);
+      expect_untouched(buffers_of(problem), problem.counts, what);
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(All, ValidationFuzz, testing::ValuesIn(all_backends()),
+                         backend_param_name);
+
+}  // namespace
+}  // namespace test
+}  // namespace mlakv
