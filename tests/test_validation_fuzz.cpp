@@ -1,8 +1,8 @@
-// mlakv tests: argument validation under random breakage. Each case builds a valid call on a
+// mlakv tests: argument validation under systematic breakage. Each case builds a valid call on a
 // backend's memory, breaks one argument in a way the contract forbids, and expects mlakv::Error
 // whose message names that argument, with nothing written: every buffer (outputs, cache, in-place
 // inputs, error counters) keeps its initial bytes. test_validation.cpp holds one hand-written case
-// per rule; this file applies every rule below to every tensor of several random calls.
+// per rule; this file applies every rule below to every tensor of several calls.
 //
 // The breakages of a tensor (each rule of validate.cpp's Validator::tensor):
 //   - one dim more (a trailing dim of size 1) or one fewer;
@@ -178,13 +178,13 @@ struct Call {
 };
 
 // Breaks every present tensor of the call with every breakage that applies; returns how many
-// broken calls were refused.
+// broken calls were made (each one that is not refused is a failure already).
 template <typename Params>
 int break_every_tensor(const Call<Params>& call, Device device) {
   const ErrorCounts counts(device);
   Context ctx;
   ctx.error_counts = counts.device_ptr();
-  int refused = 0;
+  int broken = 0;
   for (Breakage b : kBreakages) {
     Params probe = call.params();
     const size_t num_tensors = call.tensors(&probe).size();
@@ -195,10 +195,10 @@ int break_every_tensor(const Call<Params>& call, Device device) {
       const std::string what = call.label + ": " + name + " with " + breakage_name(b);
       expect_refused([&] { call.run(p, ctx); }, b == Breakage::kOtherDevice ? "" : name, what);
       expect_untouched(call.buffers, counts, what);
-      ++refused;
+      ++broken;
     }
   }
-  return refused;
+  return broken;
 }
 
 std::vector<const Buffer*> buffers_of(const FusedProblem& f) {
@@ -275,7 +275,7 @@ class ValidationFuzz : public testing::TestWithParam<Backend> {};
 
 TEST_P(ValidationFuzz, FusedOpRefusesEveryBrokenTensor) {
   const Device dev = GetParam().device;
-  int refused = 0;
+  int broken = 0;
   for (const FusedSpec& spec : fuzz_specs()) {
     const FusedProblem problem(spec, dev);
     Call<MlaRopeCacheParams> call;
@@ -284,16 +284,16 @@ TEST_P(ValidationFuzz, FusedOpRefusesEveryBrokenTensor) {
     call.tensors = tensors_of;
     call.run = [](const MlaRopeCacheParams& p, const Context& ctx) { mla_rope_cache(p, ctx); };
     call.buffers = buffers_of(problem);
-    refused += break_every_tensor(call, dev);
+    broken += break_every_tensor(call, dev);
   }
-  EXPECT_GT(refused, 300);  // the breakages applied, not skipped
+  EXPECT_GT(broken, 300);  // the breakages applied, not skipped
 }
 
 // rmsnorm_quant with a residual and a normalized output, its scales row- or column-major.
 TEST_P(ValidationFuzz, RmsNormQuantRefusesEveryBrokenTensor) {
   const Device dev = GetParam().device;
   std::mt19937_64 rng(71);
-  int refused = 0;
+  int broken = 0;
   for (const int64_t N : {int64_t{1536}, int64_t{512}}) {
     for (const bool column_major : {false, true}) {
       const int64_t T = 5, rows = T + 2, G = 128;
@@ -330,17 +330,17 @@ TEST_P(ValidationFuzz, RmsNormQuantRefusesEveryBrokenTensor) {
       };
       call.run = [](const RmsNormQuantParams& p, const Context& ctx) { rmsnorm_quant(p, ctx); };
       call.buffers = buffers_of({&x, &w, &residual, &normed, &values, &scale_buffer});
-      refused += break_every_tensor(call, dev);
+      broken += break_every_tensor(call, dev);
     }
   }
-  EXPECT_GT(refused, 150);
+  EXPECT_GT(broken, 150);
 }
 
 // Both gathers, from a split fp8 cache and a combined fp8_ds_mla one.
 TEST_P(ValidationFuzz, GathersRefuseEveryBrokenTensor) {
   const Device dev = GetParam().device;
   std::mt19937_64 rng(73);
-  int refused = 0;
+  int broken = 0;
   for (const CacheFormat format : {CacheFormat::kFloat8E4M3, CacheFormat::kFloat8DsMla}) {
     CacheGeometry g;
     g.format = format;
@@ -371,7 +371,7 @@ TEST_P(ValidationFuzz, GathersRefuseEveryBrokenTensor) {
       gather_cache_slots(p, ctx);
     };
     slots_call.buffers = buffers_of({&slots, &out}, &cache);
-    refused += break_every_tensor(slots_call, dev);
+    broken += break_every_tensor(slots_call, dev);
 
     const Tensor table = index_tensor(dev, DType::kInt32, {2, 0, 3, 1}).view(0, {2, 2}, {2, 1});
     const Tensor cu = index_tensor(dev, DType::kInt32, {0, 20, 29});
@@ -395,9 +395,9 @@ TEST_P(ValidationFuzz, GathersRefuseEveryBrokenTensor) {
       gather_cache_sequences(p, ctx);
     };
     seq_call.buffers = buffers_of({&table, &cu, &seq_out}, &cache);
-    refused += break_every_tensor(seq_call, dev);
+    broken += break_every_tensor(seq_call, dev);
   }
-  EXPECT_GT(refused, 60);
+  EXPECT_GT(broken, 60);
 }
 
 // The call's other arguments: counts, eps, the RoPE style and the cache.
