@@ -2,7 +2,9 @@
 // backend's memory, breaks one argument in a way the contract forbids, and expects mlakv::Error
 // whose message names that argument, with nothing written: every buffer (outputs, cache, in-place
 // inputs, error counters) keeps its initial bytes. test_validation.cpp holds one hand-written case
-// per rule; this file applies every rule below to every tensor of several calls.
+// per rule; this file applies every rule below to every tensor of a few calls of every op (the
+// fused op through mla_rope_cache, the unfused primitives, the three rmsnorm_quant ops, both
+// gathers). Each call, unbroken, must be accepted, so that every refusal is its breakage's.
 //
 // The breakages of a tensor (each rule of validate.cpp's Validator::tensor):
 //   - one dim more (a trailing dim of size 1) or one fewer;
@@ -13,8 +15,8 @@
 //   - data misaligned for its dtype, or null for a view of bytes;
 //   - another device than the op's (the message may then name the tensor the op's device came
 //     from, so only the rejection and the untouched buffers are checked).
-// And of the call: a negative token count, a host Td past T, a negative eps, an unknown RoPE
-// style, and a cache with a bad geometry, format or null data.
+// And of the fused op's call: a negative token count, a host Td past T or negative, a negative or
+// NaN eps, an unknown RoPE style, and a cache with a bad geometry, format, stride or null data.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -144,7 +146,7 @@ void expect_refused(const std::function<void()>& call, const std::string& name,
 }
 
 // Every buffer of `buffers` still holds its initial bytes, and the counters are 0.
-void expect_untouched(const std::vector<const Buffer*>& buffers, const ErrorCounts& counts,
+void expect_untouched(const std::vector<Buffer*>& buffers, const ErrorCounts& counts,
                       const std::string& what) {
   SCOPED_TRACE(what);
   for (const Buffer* b : buffers) EXPECT_TRUE(buffer_unchanged(*b, "a buffer of the call"));
@@ -152,9 +154,9 @@ void expect_untouched(const std::vector<const Buffer*>& buffers, const ErrorCoun
 }
 
 // The buffers of tensors (absent ones skipped) and of a cache.
-std::vector<const Buffer*> buffers_of(std::initializer_list<const Tensor*> tensors,
-                                      const TestCache* cache = nullptr) {
-  std::vector<const Buffer*> out;
+std::vector<Buffer*> buffers_of(std::initializer_list<const Tensor*> tensors,
+                                const TestCache* cache = nullptr) {
+  std::vector<Buffer*> out;
   for (const Tensor* t : tensors) {
     if (t->present()) out.push_back(t->buffer.get());
   }
@@ -174,7 +176,7 @@ struct Call {
   std::function<Params()> params;
   std::function<std::vector<std::pair<std::string, TensorView*>>(Params*)> tensors;
   std::function<void(const Params&, const Context&)> run;
-  std::vector<const Buffer*> buffers;  // every buffer the call reads or writes
+  std::vector<Buffer*> buffers;  // every buffer the call reads or writes (restored after it)
 };
 
 // Breaks every present tensor of the call with every breakage that applies; returns how many
@@ -198,10 +200,15 @@ int break_every_tensor(const Call<Params>& call, Device device) {
       ++broken;
     }
   }
+  // The unbroken call is accepted, so that each refusal above was its breakage's. The buffers
+  // then get their initial bytes back for the next call.
+  EXPECT_NO_THROW(call.run(call.params(), ctx)) << call.label << ": the unbroken call";
+  device_synchronize(device);
+  for (Buffer* b : call.buffers) b->upload();
   return broken;
 }
 
-std::vector<const Buffer*> buffers_of(const FusedProblem& f) {
+std::vector<Buffer*> buffers_of(const FusedProblem& f) {
   return buffers_of({&f.positions, &f.slot_mapping, &f.cos_sin, &f.kv_c, &f.k_pe, &f.weight,
                      &f.k_pe_out, &f.kv_c_out, &f.q_pe, &f.ql_nope, &f.q_out, &f.q_scale, &f.q,
                      &f.q_prefill_out, &f.device_td},
@@ -289,6 +296,99 @@ TEST_P(ValidationFuzz, FusedOpRefusesEveryBrokenTensor) {
   EXPECT_GT(broken, 300);  // the breakages applied, not skipped
 }
 
+// The unfused primitives, on the tensors of a decode-only fused problem (whose shapes are theirs).
+TEST_P(ValidationFuzz, UnfusedOpsRefuseEveryBrokenTensor) {
+  const Device dev = GetParam().device;
+  FusedSpec spec;
+  spec.name = "decode";
+  spec.T = 6;
+  spec.Td = 6;
+  spec.norm = true;
+  spec.kv_c_out = true;
+  const FusedProblem f(spec, dev);
+  const int64_t T = spec.T, R = spec.shape.R;
+  const std::vector<Buffer*> buffers = buffers_of(f);
+  int broken = 0;
+
+  Call<ConcatAndCacheMlaParams> concat;
+  concat.label = "concat_and_cache_mla";
+  concat.params = [&] {
+    ConcatAndCacheMlaParams p;
+    p.num_tokens = T;
+    p.kv_c = f.kv_c.device_view();
+    p.k_pe = f.k_pe.device_view();
+    p.slot_mapping = f.slot_mapping.device_view();
+    p.kv_cache = f.cache.device_view();
+    return p;
+  };
+  concat.tensors =
+      [](ConcatAndCacheMlaParams* p) -> std::vector<std::pair<std::string, TensorView*>> {
+    return {{"kv_c", &p->kv_c}, {"k_pe", &p->k_pe}, {"slot_mapping", &p->slot_mapping}};
+  };
+  concat.run = [](const ConcatAndCacheMlaParams& p, const Context& ctx) {
+    concat_and_cache_mla(p, ctx);
+  };
+  concat.buffers = buffers;
+  broken += break_every_tensor(concat, dev);
+
+  Call<DecodeQConcatParams> decode;
+  decode.label = "decode_q_concat";
+  decode.params = [&] {
+    DecodeQConcatParams p;
+    p.num_tokens = T;
+    p.ql_nope = f.ql_nope.device_view();
+    p.q_pe = f.q_pe.device_view();
+    p.q_out = f.q_out.device_view();
+    return p;
+  };
+  decode.tensors = [](DecodeQConcatParams* p) -> std::vector<std::pair<std::string, TensorView*>> {
+    return {{"ql_nope", &p->ql_nope}, {"q_pe", &p->q_pe}, {"q_out", &p->q_out}};
+  };
+  decode.run = [](const DecodeQConcatParams& p, const Context& ctx) { decode_q_concat(p, ctx); };
+  decode.buffers = buffers;
+  broken += break_every_tensor(decode, dev);
+
+  Call<RotaryEmbeddingParams> rotary;
+  rotary.label = "rotary_embedding";
+  rotary.params = [&] {
+    RotaryEmbeddingParams p;
+    p.num_tokens = T;
+    p.positions = f.positions.device_view();
+    p.query = f.q_pe.device_view();
+    p.key = f.k_pe.view(f.k_pe.offset, {f.rows, 1, R}, {f.k_pe.stride[0], R, 1}).device_view();
+    p.cos_sin_cache = f.cos_sin.device_view();
+    return p;
+  };
+  rotary.tensors =
+      [](RotaryEmbeddingParams* p) -> std::vector<std::pair<std::string, TensorView*>> {
+    return {{"positions", &p->positions},
+            {"query", &p->query},
+            {"key", &p->key},
+            {"cos_sin_cache", &p->cos_sin_cache}};
+  };
+  rotary.run = [](const RotaryEmbeddingParams& p, const Context& ctx) { rotary_embedding(p, ctx); };
+  rotary.buffers = buffers;
+  broken += break_every_tensor(rotary, dev);
+
+  Call<RmsNormParams> norm;
+  norm.label = "rms_norm";
+  norm.params = [&] {
+    RmsNormParams p;
+    p.num_tokens = T;
+    p.input = f.kv_c.device_view();
+    p.weight = f.weight.device_view();
+    p.output = f.kv_c_out.device_view();
+    return p;
+  };
+  norm.tensors = [](RmsNormParams* p) -> std::vector<std::pair<std::string, TensorView*>> {
+    return {{"input", &p->input}, {"weight", &p->weight}, {"output", &p->output}};
+  };
+  norm.run = [](const RmsNormParams& p, const Context& ctx) { rms_norm(p, ctx); };
+  norm.buffers = buffers;
+  broken += break_every_tensor(norm, dev);
+  EXPECT_GT(broken, 100);
+}
+
 // rmsnorm_quant with a residual and a normalized output, its scales row- or column-major.
 TEST_P(ValidationFuzz, RmsNormQuantRefusesEveryBrokenTensor) {
   const Device dev = GetParam().device;
@@ -331,9 +431,61 @@ TEST_P(ValidationFuzz, RmsNormQuantRefusesEveryBrokenTensor) {
       call.run = [](const RmsNormQuantParams& p, const Context& ctx) { rmsnorm_quant(p, ctx); };
       call.buffers = buffers_of({&x, &w, &residual, &normed, &values, &scale_buffer});
       broken += break_every_tensor(call, dev);
+
+      Call<PerTokenGroupQuantParams> quant;
+      quant.label = call.label + " per_token_group_quant_fp8";
+      quant.params = [&] {
+        PerTokenGroupQuantParams p;
+        p.num_tokens = T;
+        p.input = x.device_view();
+        p.quant = call.params().quant;
+        return p;
+      };
+      quant.tensors =
+          [](PerTokenGroupQuantParams* p) -> std::vector<std::pair<std::string, TensorView*>> {
+        return {{"input", &p->input},
+                {"quant.values", &p->quant.values},
+                {"quant.scales", &p->quant.scales}};
+      };
+      quant.run = [](const PerTokenGroupQuantParams& p, const Context& ctx) {
+        per_token_group_quant_fp8(p, ctx);
+      };
+      quant.buffers = call.buffers;
+      broken += break_every_tensor(quant, dev);
+
+      // The dual form: this call as its q part (no residual or normalized output), and the
+      // residual's rows normalized into normed_out as its kv part.
+      Call<MlaRmsNormQuantParams> dual;
+      dual.label = call.label + " mla_rmsnorm_quant";
+      dual.params = [&] {
+        MlaRmsNormQuantParams p;
+        p.q = call.params();
+        p.q.residual = TensorView{};
+        p.q.normed_out = TensorView{};
+        p.kv.num_tokens = T;
+        p.kv.input = residual.device_view();
+        p.kv.weight = w.device_view();
+        p.kv.output = normed.device_view();
+        return p;
+      };
+      dual.tensors =
+          [](MlaRmsNormQuantParams* p) -> std::vector<std::pair<std::string, TensorView*>> {
+        return {{"q.input", &p->q.input},
+                {"q.weight", &p->q.weight},
+                {"q.quant.values", &p->q.quant.values},
+                {"q.quant.scales", &p->q.quant.scales},
+                {"kv.input", &p->kv.input},
+                {"kv.weight", &p->kv.weight},
+                {"kv.output", &p->kv.output}};
+      };
+      dual.run = [](const MlaRmsNormQuantParams& p, const Context& ctx) {
+        mla_rmsnorm_quant(p, ctx);
+      };
+      dual.buffers = call.buffers;
+      broken += break_every_tensor(dual, dev);
     }
   }
-  EXPECT_GT(broken, 150);
+  EXPECT_GT(broken, 400);
 }
 
 // Both gathers, from a split fp8 cache and a combined fp8_ds_mla one.
@@ -433,6 +585,9 @@ TEST_P(ValidationFuzz, FusedOpRefusesEveryBrokenScalarAndCache) {
       expect_refused([&] { mla_rope_cache(p, ctx); }, name, what);
       expect_untouched(buffers_of(problem), problem.counts, what);
     }
+    Context ctx;
+    ctx.error_counts = problem.counts.device_ptr();
+    EXPECT_NO_THROW(mla_rope_cache(problem.params(false), ctx)) << spec.name << ": unbroken";
   }
 }
 
