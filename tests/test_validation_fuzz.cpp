@@ -6,20 +6,22 @@
 // fused op through mla_rope_cache, the unfused primitives, the three rmsnorm_quant ops, both
 // gathers). Each call, unbroken, must be accepted, so that every refusal is its breakage's.
 //
-// The breakages of a tensor (each rule of validate.cpp's Validator::tensor):
+// The breakages of a tensor (the general rules of validate.cpp's Validator::tensor and
+// rmsnorm_quant.cpp's validator, and the ops' dtype checks):
 //   - one dim more (a trailing dim of size 1) or one fewer;
 //   - a negative size;
 //   - an innermost stride of 2, or a negative outer stride (on a dim of size > 1);
 //   - an unknown dtype, or one of the wrong kind (an integer type for values, a float for
 //     indices);
 //   - data misaligned for its dtype, or null for a view of bytes;
-//   - another device than the op's (the message may then name the tensor the op's device came
-//     from, so only the rejection and the untouched buffers are checked).
+//   - another device than the op's. When the broken tensor is the first one checked, the op's
+//     device comes from it and the message names the next tensor, so for this breakage only the
+//     refusal and the untouched buffers are checked.
+// A refusal must name the broken argument as the argument at fault: "<op>: <name>: expected ...".
 // And of the fused op's call: a negative token count, a host Td past T or negative, a negative or
 // NaN eps, an unknown RoPE style, and a cache with a bad geometry, format, stride or null data.
 #include <gtest/gtest.h>
 
-#include <cmath>
 #include <functional>
 #include <limits>
 #include <random>
@@ -130,7 +132,7 @@ bool break_view(TensorView* t, Breakage b, Device op_device) {
   return false;
 }
 
-// Calls `call`, expecting mlakv::Error whose message names `name` (when not empty).
+// Calls `call`, expecting mlakv::Error whose message puts `name` (when not empty) at fault.
 void expect_refused(const std::function<void()>& call, const std::string& name,
                     const std::string& what) {
   SCOPED_TRACE(what);
@@ -139,9 +141,11 @@ void expect_refused(const std::function<void()>& call, const std::string& name,
     ADD_FAILURE() << "accepted";
   } catch (const Error& e) {
     if (!name.empty()) {
-      EXPECT_NE(std::string(e.what()).find(name), std::string::npos)
-          << "the message does not name " << name << ": " << e.what();
+      EXPECT_NE(e.message().find(": " + name + ": "), std::string::npos)
+          << "the message does not put " << name << " at fault: " << e.message();
     }
+  } catch (const std::exception& e) {
+    ADD_FAILURE() << "expected mlakv::Error, got another exception: " << e.what();
   }
 }
 
@@ -190,6 +194,7 @@ int break_every_tensor(const Call<Params>& call, Device device) {
   for (Breakage b : kBreakages) {
     Params probe = call.params();
     const size_t num_tensors = call.tensors(&probe).size();
+    int applied = 0;
     for (size_t i = 0; i < num_tensors; ++i) {
       Params p = call.params();
       auto [name, view] = call.tensors(&p)[i];
@@ -197,8 +202,12 @@ int break_every_tensor(const Call<Params>& call, Device device) {
       const std::string what = call.label + ": " + name + " with " + breakage_name(b);
       expect_refused([&] { call.run(p, ctx); }, b == Breakage::kOtherDevice ? "" : name, what);
       expect_untouched(call.buffers, counts, what);
-      ++broken;
+      ++applied;
     }
+    // Every call has tensors of two dims, of 16-bit or wider elements, with rows: each breakage
+    // applies to at least one of them.
+    EXPECT_GT(applied, 0) << call.label << ": " << breakage_name(b) << " applied to no tensor";
+    broken += applied;
   }
   // The unbroken call is accepted, so that each refusal above was its breakage's. The buffers
   // then get their initial bytes back for the next call.
@@ -556,7 +565,7 @@ TEST_P(ValidationFuzz, GathersRefuseEveryBrokenTensor) {
 TEST_P(ValidationFuzz, FusedOpRefusesEveryBrokenScalarAndCache) {
   const Device dev = GetParam().device;
   for (const FusedSpec& spec : fuzz_specs()) {
-    FusedProblem problem(spec, dev);
+    const FusedProblem problem(spec, dev);
     const int64_t T = spec.T;
     const std::vector<std::pair<std::string, std::function<void(MlaRopeCacheParams*)>>> breaks = {
         {"num_tokens", [](MlaRopeCacheParams* p) { p->num_tokens = -1; }},
