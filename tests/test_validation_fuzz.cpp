@@ -172,13 +172,16 @@ std::vector<Buffer*> buffers_of(std::initializer_list<const Tensor*> tensors,
   return out;
 }
 
+// A call's tensors, by the names its messages use.
+using Tensors = std::vector<std::pair<std::string, TensorView*>>;
+
 // One valid call of an op: its params (device views, made afresh for every breakage), its tensors
 // by the names its messages use, and how to run it.
 template <typename Params>
 struct Call {
   std::string label;
   std::function<Params()> params;
-  std::function<std::vector<std::pair<std::string, TensorView*>>(Params*)> tensors;
+  std::function<Tensors(Params*)> tensors;
   std::function<void(const Params&, const Context&)> run;
   std::vector<Buffer*> buffers;  // every buffer the call reads or writes (restored after it)
 };
@@ -225,7 +228,7 @@ std::vector<Buffer*> buffers_of(const FusedProblem& f) {
 }
 
 // The tensors of a fused call, by the names its messages use.
-std::vector<std::pair<std::string, TensorView*>> tensors_of(MlaRopeCacheParams* p) {
+Tensors tensors_of(MlaRopeCacheParams* p) {
   return {{"positions", &p->positions},
           {"slot_mapping", &p->slot_mapping},
           {"cos_sin_cache", &p->cos_sin_cache},
@@ -294,12 +297,10 @@ TEST_P(ValidationFuzz, FusedOpRefusesEveryBrokenTensor) {
   int broken = 0;
   for (const FusedSpec& spec : fuzz_specs()) {
     const FusedProblem problem(spec, dev);
-    Call<MlaRopeCacheParams> call;
-    call.label = spec.name;
-    call.params = [&] { return problem.params(false); };
-    call.tensors = tensors_of;
-    call.run = [](const MlaRopeCacheParams& p, const Context& ctx) { mla_rope_cache(p, ctx); };
-    call.buffers = buffers_of(problem);
+    const Call<MlaRopeCacheParams> call{
+        spec.name, [&] { return problem.params(false); }, tensors_of,
+        [](const MlaRopeCacheParams& p, const Context& ctx) { mla_rope_cache(p, ctx); },
+        buffers_of(problem)};
     broken += break_every_tensor(call, dev);
   }
   EXPECT_GT(broken, 300);  // the breakages applied, not skipped
@@ -319,81 +320,77 @@ TEST_P(ValidationFuzz, UnfusedOpsRefuseEveryBrokenTensor) {
   const std::vector<Buffer*> buffers = buffers_of(f);
   int broken = 0;
 
-  Call<ConcatAndCacheMlaParams> concat;
-  concat.label = "concat_and_cache_mla";
-  concat.params = [&] {
-    ConcatAndCacheMlaParams p;
-    p.num_tokens = T;
-    p.kv_c = f.kv_c.device_view();
-    p.k_pe = f.k_pe.device_view();
-    p.slot_mapping = f.slot_mapping.device_view();
-    p.kv_cache = f.cache.device_view();
-    return p;
-  };
-  concat.tensors =
-      [](ConcatAndCacheMlaParams* p) -> std::vector<std::pair<std::string, TensorView*>> {
-    return {{"kv_c", &p->kv_c}, {"k_pe", &p->k_pe}, {"slot_mapping", &p->slot_mapping}};
-  };
-  concat.run = [](const ConcatAndCacheMlaParams& p, const Context& ctx) {
-    concat_and_cache_mla(p, ctx);
-  };
-  concat.buffers = buffers;
+  const Call<ConcatAndCacheMlaParams> concat{
+      "concat_and_cache_mla",
+      [&] {
+        ConcatAndCacheMlaParams p;
+        p.num_tokens = T;
+        p.kv_c = f.kv_c.device_view();
+        p.k_pe = f.k_pe.device_view();
+        p.slot_mapping = f.slot_mapping.device_view();
+        p.kv_cache = f.cache.device_view();
+        return p;
+      },
+
+      [](ConcatAndCacheMlaParams* p) -> Tensors {
+        return {{"kv_c", &p->kv_c}, {"k_pe", &p->k_pe}, {"slot_mapping", &p->slot_mapping}};
+      },
+      [](const ConcatAndCacheMlaParams& p, const Context& ctx) { concat_and_cache_mla(p, ctx); },
+      buffers};
   broken += break_every_tensor(concat, dev);
 
-  Call<DecodeQConcatParams> decode;
-  decode.label = "decode_q_concat";
-  decode.params = [&] {
-    DecodeQConcatParams p;
-    p.num_tokens = T;
-    p.ql_nope = f.ql_nope.device_view();
-    p.q_pe = f.q_pe.device_view();
-    p.q_out = f.q_out.device_view();
-    return p;
-  };
-  decode.tensors = [](DecodeQConcatParams* p) -> std::vector<std::pair<std::string, TensorView*>> {
-    return {{"ql_nope", &p->ql_nope}, {"q_pe", &p->q_pe}, {"q_out", &p->q_out}};
-  };
-  decode.run = [](const DecodeQConcatParams& p, const Context& ctx) { decode_q_concat(p, ctx); };
-  decode.buffers = buffers;
+  const Call<DecodeQConcatParams> decode{
+      "decode_q_concat",
+      [&] {
+        DecodeQConcatParams p;
+        p.num_tokens = T;
+        p.ql_nope = f.ql_nope.device_view();
+        p.q_pe = f.q_pe.device_view();
+        p.q_out = f.q_out.device_view();
+        return p;
+      },
+      [](DecodeQConcatParams* p) -> Tensors {
+        return {{"ql_nope", &p->ql_nope}, {"q_pe", &p->q_pe}, {"q_out", &p->q_out}};
+      },
+      [](const DecodeQConcatParams& p, const Context& ctx) { decode_q_concat(p, ctx); }, buffers};
   broken += break_every_tensor(decode, dev);
 
-  Call<RotaryEmbeddingParams> rotary;
-  rotary.label = "rotary_embedding";
-  rotary.params = [&] {
-    RotaryEmbeddingParams p;
-    p.num_tokens = T;
-    p.positions = f.positions.device_view();
-    p.query = f.q_pe.device_view();
-    p.key = f.k_pe.view(f.k_pe.offset, {f.rows, 1, R}, {f.k_pe.stride[0], R, 1}).device_view();
-    p.cos_sin_cache = f.cos_sin.device_view();
-    return p;
-  };
-  rotary.tensors =
-      [](RotaryEmbeddingParams* p) -> std::vector<std::pair<std::string, TensorView*>> {
-    return {{"positions", &p->positions},
-            {"query", &p->query},
-            {"key", &p->key},
-            {"cos_sin_cache", &p->cos_sin_cache}};
-  };
-  rotary.run = [](const RotaryEmbeddingParams& p, const Context& ctx) { rotary_embedding(p, ctx); };
-  rotary.buffers = buffers;
+  const Call<RotaryEmbeddingParams> rotary{
+      "rotary_embedding",
+      [&] {
+        RotaryEmbeddingParams p;
+        p.num_tokens = T;
+        p.positions = f.positions.device_view();
+        p.query = f.q_pe.device_view();
+        p.key = f.k_pe.view(f.k_pe.offset, {f.rows, 1, R}, {f.k_pe.stride[0], R, 1}).device_view();
+        p.cos_sin_cache = f.cos_sin.device_view();
+        return p;
+      },
+
+      [](RotaryEmbeddingParams* p) -> Tensors {
+        return {{"positions", &p->positions},
+                {"query", &p->query},
+                {"key", &p->key},
+                {"cos_sin_cache", &p->cos_sin_cache}};
+      },
+      [](const RotaryEmbeddingParams& p, const Context& ctx) { rotary_embedding(p, ctx); },
+      buffers};
   broken += break_every_tensor(rotary, dev);
 
-  Call<RmsNormParams> norm;
-  norm.label = "rms_norm";
-  norm.params = [&] {
-    RmsNormParams p;
-    p.num_tokens = T;
-    p.input = f.kv_c.device_view();
-    p.weight = f.weight.device_view();
-    p.output = f.kv_c_out.device_view();
-    return p;
-  };
-  norm.tensors = [](RmsNormParams* p) -> std::vector<std::pair<std::string, TensorView*>> {
-    return {{"input", &p->input}, {"weight", &p->weight}, {"output", &p->output}};
-  };
-  norm.run = [](const RmsNormParams& p, const Context& ctx) { rms_norm(p, ctx); };
-  norm.buffers = buffers;
+  const Call<RmsNormParams> norm{
+      "rms_norm",
+      [&] {
+        RmsNormParams p;
+        p.num_tokens = T;
+        p.input = f.kv_c.device_view();
+        p.weight = f.weight.device_view();
+        p.output = f.kv_c_out.device_view();
+        return p;
+      },
+      [](RmsNormParams* p) -> Tensors {
+        return {{"input", &p->input}, {"weight", &p->weight}, {"output", &p->output}};
+      },
+      [](const RmsNormParams& p, const Context& ctx) { rms_norm(p, ctx); }, buffers};
   broken += break_every_tensor(norm, dev);
   EXPECT_GT(broken, 100);
 }
@@ -415,82 +412,80 @@ TEST_P(ValidationFuzz, RmsNormQuantRefusesEveryBrokenTensor) {
       const Tensor scale_buffer = poisoned_tensor(dev, DType::kFloat32, {(N / G) * S});
       const Tensor scales = column_major ? scale_buffer.view(0, {rows, N / G}, {1, S})
                                          : scale_buffer.view(0, {rows, N / G}, {N / G, 1});
-      Call<RmsNormQuantParams> call;
-      call.label = "N " + std::to_string(N) + (column_major ? " column-major" : " row-major");
-      call.params = [&] {
-        RmsNormQuantParams p;
-        p.num_tokens = T;
-        p.input = x.device_view();
-        p.weight = w.device_view();
-        p.residual = residual.device_view();
-        p.normed_out = normed.device_view();
-        p.quant.values = values.device_view();
-        p.quant.scales = scales.device_view();
-        p.quant.group_size = G;
-        return p;
-      };
-      call.tensors = [](RmsNormQuantParams* p) -> std::vector<std::pair<std::string, TensorView*>> {
-        return {{"input", &p->input},
-                {"weight", &p->weight},
-                {"residual", &p->residual},
-                {"normed_out", &p->normed_out},
-                {"quant.values", &p->quant.values},
-                {"quant.scales", &p->quant.scales}};
-      };
-      call.run = [](const RmsNormQuantParams& p, const Context& ctx) { rmsnorm_quant(p, ctx); };
-      call.buffers = buffers_of({&x, &w, &residual, &normed, &values, &scale_buffer});
+      const Call<RmsNormQuantParams> call{
+          "N " + std::to_string(N) + (column_major ? " column-major" : " row-major"),
+          [&] {
+            RmsNormQuantParams p;
+            p.num_tokens = T;
+            p.input = x.device_view();
+            p.weight = w.device_view();
+            p.residual = residual.device_view();
+            p.normed_out = normed.device_view();
+            p.quant.values = values.device_view();
+            p.quant.scales = scales.device_view();
+            p.quant.group_size = G;
+            return p;
+          },
+          [](RmsNormQuantParams* p) -> Tensors {
+            return {{"input", &p->input},
+                    {"weight", &p->weight},
+                    {"residual", &p->residual},
+                    {"normed_out", &p->normed_out},
+                    {"quant.values", &p->quant.values},
+                    {"quant.scales", &p->quant.scales}};
+          },
+          [](const RmsNormQuantParams& p, const Context& ctx) { rmsnorm_quant(p, ctx); },
+          buffers_of({&x, &w, &residual, &normed, &values, &scale_buffer})};
       broken += break_every_tensor(call, dev);
 
-      Call<PerTokenGroupQuantParams> quant;
-      quant.label = call.label + " per_token_group_quant_fp8";
-      quant.params = [&] {
-        PerTokenGroupQuantParams p;
-        p.num_tokens = T;
-        p.input = x.device_view();
-        p.quant = call.params().quant;
-        return p;
-      };
-      quant.tensors =
-          [](PerTokenGroupQuantParams* p) -> std::vector<std::pair<std::string, TensorView*>> {
-        return {{"input", &p->input},
-                {"quant.values", &p->quant.values},
-                {"quant.scales", &p->quant.scales}};
-      };
-      quant.run = [](const PerTokenGroupQuantParams& p, const Context& ctx) {
-        per_token_group_quant_fp8(p, ctx);
-      };
-      quant.buffers = call.buffers;
+      const Call<PerTokenGroupQuantParams> quant{
+          call.label + " per_token_group_quant_fp8",
+          [&] {
+            PerTokenGroupQuantParams p;
+            p.num_tokens = T;
+            p.input = x.device_view();
+            p.quant = call.params().quant;
+            return p;
+          },
+
+          [](PerTokenGroupQuantParams* p) -> Tensors {
+            return {{"input", &p->input},
+                    {"quant.values", &p->quant.values},
+                    {"quant.scales", &p->quant.scales}};
+          },
+          [](const PerTokenGroupQuantParams& p, const Context& ctx) {
+            per_token_group_quant_fp8(p, ctx);
+          },
+          call.buffers};
       broken += break_every_tensor(quant, dev);
 
       // The dual form: this call as its q part (no residual or normalized output), and the
       // residual's rows normalized into normed_out as its kv part.
-      Call<MlaRmsNormQuantParams> dual;
-      dual.label = call.label + " mla_rmsnorm_quant";
-      dual.params = [&] {
-        MlaRmsNormQuantParams p;
-        p.q = call.params();
-        p.q.residual = TensorView{};
-        p.q.normed_out = TensorView{};
-        p.kv.num_tokens = T;
-        p.kv.input = residual.device_view();
-        p.kv.weight = w.device_view();
-        p.kv.output = normed.device_view();
-        return p;
-      };
-      dual.tensors =
-          [](MlaRmsNormQuantParams* p) -> std::vector<std::pair<std::string, TensorView*>> {
-        return {{"q.input", &p->q.input},
-                {"q.weight", &p->q.weight},
-                {"q.quant.values", &p->q.quant.values},
-                {"q.quant.scales", &p->q.quant.scales},
-                {"kv.input", &p->kv.input},
-                {"kv.weight", &p->kv.weight},
-                {"kv.output", &p->kv.output}};
-      };
-      dual.run = [](const MlaRmsNormQuantParams& p, const Context& ctx) {
-        mla_rmsnorm_quant(p, ctx);
-      };
-      dual.buffers = call.buffers;
+      const Call<MlaRmsNormQuantParams> dual{
+          call.label + " mla_rmsnorm_quant",
+          [&] {
+            MlaRmsNormQuantParams p;
+            p.q = call.params();
+            p.q.residual = TensorView{};
+            p.q.normed_out = TensorView{};
+            p.kv.num_tokens = T;
+            p.kv.input = residual.device_view();
+            p.kv.weight = w.device_view();
+            p.kv.output = normed.device_view();
+            return p;
+          },
+
+          [](MlaRmsNormQuantParams* p) -> Tensors {
+            return {{"q.input", &p->q.input},
+                    {"q.weight", &p->q.weight},
+                    {"q.quant.values", &p->q.quant.values},
+                    {"q.quant.scales", &p->q.quant.scales},
+                    {"kv.input", &p->kv.input},
+                    {"kv.weight", &p->kv.weight},
+                    {"kv.output", &p->kv.output}};
+          },
+          [](const MlaRmsNormQuantParams& p, const Context& ctx) { mla_rmsnorm_quant(p, ctx); },
+          call.buffers};
       broken += break_every_tensor(dual, dev);
     }
   }
@@ -514,48 +509,47 @@ TEST_P(ValidationFuzz, GathersRefuseEveryBrokenTensor) {
     const int64_t D = g.L + g.R;
     const Tensor slots = index_tensor(dev, DType::kInt64, {3, 60, -1, 17, 0});
     const Tensor out = poisoned_tensor(dev, DType::kFloat32, {5, D});
-    Call<GatherCacheSlotsParams> slots_call;
-    slots_call.label = std::string(cache_format_name(format)) + " slots";
-    slots_call.params = [&] {
-      GatherCacheSlotsParams p;
-      p.num_tokens = 5;
-      p.kv_cache = cache.device_view();
-      p.slots = slots.device_view();
-      p.out = out.device_view();
-      return p;
-    };
-    slots_call.tensors =
-        [](GatherCacheSlotsParams* p) -> std::vector<std::pair<std::string, TensorView*>> {
-      return {{"slots", &p->slots}, {"out", &p->out}};
-    };
-    slots_call.run = [](const GatherCacheSlotsParams& p, const Context& ctx) {
-      gather_cache_slots(p, ctx);
-    };
-    slots_call.buffers = buffers_of({&slots, &out}, &cache);
+    const Call<GatherCacheSlotsParams> slots_call{
+        std::string(cache_format_name(format)) + " slots",
+        [&] {
+          GatherCacheSlotsParams p;
+          p.num_tokens = 5;
+          p.kv_cache = cache.device_view();
+          p.slots = slots.device_view();
+          p.out = out.device_view();
+          return p;
+        },
+
+        [](GatherCacheSlotsParams* p) -> Tensors {
+          return {{"slots", &p->slots}, {"out", &p->out}};
+        },
+        [](const GatherCacheSlotsParams& p, const Context& ctx) { gather_cache_slots(p, ctx); },
+        buffers_of({&slots, &out}, &cache)};
     broken += break_every_tensor(slots_call, dev);
 
     const Tensor table = index_tensor(dev, DType::kInt32, {2, 0, 3, 1}).view(0, {2, 2}, {2, 1});
     const Tensor cu = index_tensor(dev, DType::kInt32, {0, 20, 29});
     const Tensor seq_out = poisoned_tensor(dev, DType::kBFloat16, {29, D});
-    Call<GatherCacheSequencesParams> seq_call;
-    seq_call.label = std::string(cache_format_name(format)) + " sequences";
-    seq_call.params = [&] {
-      GatherCacheSequencesParams p;
-      p.num_seqs = 2;
-      p.kv_cache = cache.device_view();
-      p.block_table = table.device_view();
-      p.cu_seq_lens = cu.device_view();
-      p.out = seq_out.device_view();
-      return p;
-    };
-    seq_call.tensors =
-        [](GatherCacheSequencesParams* p) -> std::vector<std::pair<std::string, TensorView*>> {
-      return {{"block_table", &p->block_table}, {"cu_seq_lens", &p->cu_seq_lens}, {"out", &p->out}};
-    };
-    seq_call.run = [](const GatherCacheSequencesParams& p, const Context& ctx) {
-      gather_cache_sequences(p, ctx);
-    };
-    seq_call.buffers = buffers_of({&table, &cu, &seq_out}, &cache);
+    const Call<GatherCacheSequencesParams> seq_call{
+        std::string(cache_format_name(format)) + " sequences",
+        [&] {
+          GatherCacheSequencesParams p;
+          p.num_seqs = 2;
+          p.kv_cache = cache.device_view();
+          p.block_table = table.device_view();
+          p.cu_seq_lens = cu.device_view();
+          p.out = seq_out.device_view();
+          return p;
+        },
+
+        [](GatherCacheSequencesParams* p) -> Tensors {
+          return {
+              {"block_table", &p->block_table}, {"cu_seq_lens", &p->cu_seq_lens}, {"out", &p->out}};
+        },
+        [](const GatherCacheSequencesParams& p, const Context& ctx) {
+          gather_cache_sequences(p, ctx);
+        },
+        buffers_of({&table, &cu, &seq_out}, &cache)};
     broken += break_every_tensor(seq_call, dev);
   }
   EXPECT_GT(broken, 60);
