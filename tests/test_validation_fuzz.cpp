@@ -17,9 +17,9 @@
 //   - another device than the op's. When the broken tensor is the first one checked, the op's
 //     device comes from it and the message names the next tensor, so for this breakage only the
 //     refusal and the untouched buffers are checked.
-// A refusal must name the broken argument as the argument at fault: "<op>: <name>: expected ...".
 // And of the fused op's call: a negative token count, a host Td past T or negative, a negative or
 // NaN eps, an unknown RoPE style, and a cache with a bad geometry, format, stride or null data.
+// A refusal must name the broken argument as the argument at fault: "<op>: <name>: expected ...".
 #include <gtest/gtest.h>
 
 #include <functional>
@@ -268,7 +268,7 @@ std::vector<FusedSpec> fuzz_specs() {
   specs.push_back(s);
 
   s = FusedSpec{};
-  s.name = "dsmla_split_kv_fp16_table";
+  s.name = "dsmla_joint_kv_fp16_table";  // kv_c and k_pe: column views of one buffer
   s.T = 5;
   s.Td = 5;
   s.cache.format = CacheFormat::kFloat8DsMla;
