@@ -26,6 +26,7 @@
 #include <tuple>
 #include <vector>
 
+#include "cli/util.h"
 #include "fused_problem.h"
 #include "reference/reference.h"
 
@@ -35,26 +36,10 @@ namespace {
 
 constexpr int64_t kMark = int64_t{1} << 32;  // the far blocks straddle this byte offset
 
-// One allocation of the backend's device memory, freed with it.
-class DeviceMemory {
- public:
-  DeviceMemory(Device device, int64_t bytes)
-      : device_(device), ptr_(device_alloc(device, static_cast<size_t>(bytes))) {}
-  ~DeviceMemory() {
-    try {
-      device_free(device_, ptr_);
-    } catch (const Error& e) {
-      ADD_FAILURE() << "freeing a far cache: " << e.what();
-    }
-  }
-  DeviceMemory(const DeviceMemory&) = delete;
-  DeviceMemory& operator=(const DeviceMemory&) = delete;
-  char* get() const { return static_cast<char*>(ptr_); }
-
- private:
-  Device device_;
-  void* ptr_;
-};
+// A far allocation: device memory without a host mirror (a harness Buffer mirrors every byte).
+using FarMemory = cli::Buffer;
+// Its bytes from `offset` on.
+uint8_t* at(const FarMemory& m, int64_t offset) { return m.as<uint8_t>() + offset; }
 
 // One part of a cache (the combined entries, or a split cache's latent or rope part): small's
 // blocks are the last ones of a far allocation whose blocks are far_block_bytes apart (at least
@@ -65,13 +50,13 @@ struct FarPart {
   int64_t block_bytes = 0;
   int64_t far_block_bytes = 0;
   int64_t tail_offset = 0;  // shift_blocks * far_block_bytes
-  std::unique_ptr<DeviceMemory> memory;
+  std::unique_ptr<FarMemory> memory;
 
   int64_t tail_bytes() const { return num_blocks * far_block_bytes; }
   std::vector<uint8_t> download(int64_t offset, int64_t bytes) const {
     std::vector<uint8_t> out(static_cast<size_t>(bytes));
     device_synchronize(small->device());
-    copy_device_to_host(small->device(), out.data(), memory->get() + offset, out.size());
+    copy_device_to_host(small->device(), out.data(), at(*memory, offset), out.size());
     return out;
   }
 };
@@ -109,9 +94,9 @@ class FarCache {
   KVCacheView device_view() const {
     KVCacheView v = small_.device_view();
     v.num_blocks += shift_blocks_;
-    v.data = parts_[0].memory->get();
+    v.data = parts_[0].memory->data();
     if (parts_.size() > 1) {
-      v.rope_data = parts_[1].memory->get();
+      v.rope_data = parts_[1].memory->data();
       v.stride_rope_block_bytes = parts_[1].far_block_bytes;
     }
     return v;
@@ -148,13 +133,14 @@ class FarCache {
     part.block_bytes = block_bytes;
     part.far_block_bytes = far_block_bytes;
     part.tail_offset = shift_blocks_ * far_block_bytes;
-    part.memory = std::make_unique<DeviceMemory>(dev, part.tail_offset + part.tail_bytes());
-    device_memset(dev, part.memory->get(), kSentinelByte, static_cast<size_t>(part.tail_bytes()));
-    device_memset(dev, part.memory->get() + part.tail_offset, kSentinelByte,
+    part.memory =
+        std::make_unique<FarMemory>(dev, static_cast<size_t>(part.tail_offset + part.tail_bytes()));
+    device_memset(dev, at(*part.memory, 0), kSentinelByte, static_cast<size_t>(part.tail_bytes()));
+    device_memset(dev, at(*part.memory, part.tail_offset), kSentinelByte,
                   static_cast<size_t>(part.tail_bytes()));
     for (int64_t b = 0; b < part.num_blocks; ++b) {
-      copy_host_to_device(dev, part.memory->get() + part.tail_offset + b * far_block_bytes,
-                          small.initial.data() + b * block_bytes, static_cast<size_t>(block_bytes));
+      part.memory->upload(small.initial.data() + b * block_bytes, static_cast<size_t>(block_bytes),
+                          static_cast<size_t>(part.tail_offset + b * far_block_bytes));
     }
     parts_.push_back(std::move(part));
   }
@@ -183,19 +169,18 @@ class FarRows {
     EXPECT_LE(span_bytes_, t.stride[0] * elem) << "rows that overlap";
     // The last row at 2 * kMark or just past it (so row rows / 2 past kMark); 256-byte aligned.
     row_stride_bytes_ = ((2 * kMark + rows - 2) / std::max<int64_t>(rows - 1, 1) + 255) / 256 * 256;
-    memory_ = std::make_unique<DeviceMemory>(t.buffer->device(),
-                                             (rows - 1) * row_stride_bytes_ + span_bytes_);
+    memory_ = std::make_unique<FarMemory>(
+        t.buffer->device(), static_cast<size_t>((rows - 1) * row_stride_bytes_ + span_bytes_));
     for (int64_t r = 0; r < rows; ++r) {
-      copy_host_to_device(t.buffer->device(), memory_->get() + r * row_stride_bytes_,
-                          t.buffer->initial.data() + row_offset(r),
-                          static_cast<size_t>(span_bytes_));
+      memory_->upload(t.buffer->initial.data() + row_offset(r), static_cast<size_t>(span_bytes_),
+                      static_cast<size_t>(r * row_stride_bytes_));
     }
   }
 
   TensorView host_view() const { return t_.host_view(); }  // the reference's side: t itself
   TensorView device_view() const {
     TensorView v = t_.device_view();
-    v.data = memory_->get();
+    v.data = memory_->data();
     v.stride[0] = row_stride_bytes_ / static_cast<int64_t>(dtype_size(t_.dtype));
     return v;
   }
@@ -205,7 +190,7 @@ class FarRows {
     device_synchronize(dev);
     std::vector<uint8_t> row(static_cast<size_t>(span_bytes_));
     for (int64_t r = 0; r < t_.shape[0]; ++r) {
-      copy_device_to_host(dev, row.data(), memory_->get() + r * row_stride_bytes_, row.size());
+      copy_device_to_host(dev, row.data(), at(*memory_, r * row_stride_bytes_), row.size());
       copy_host_to_device(dev, static_cast<char*>(t_.buffer->device_ptr()) + row_offset(r),
                           row.data(), row.size());
     }
@@ -219,7 +204,7 @@ class FarRows {
   Tensor t_;
   int64_t span_bytes_ = 0;
   int64_t row_stride_bytes_ = 0;
-  std::unique_ptr<DeviceMemory> memory_;
+  std::unique_ptr<FarMemory> memory_;
 };
 
 // Indices shifted into the far cache: non-negative values move by `shift` (an index past the
