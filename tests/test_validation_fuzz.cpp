@@ -47,37 +47,23 @@ enum class Breakage {
   kNull,
   kOtherDevice,
 };
-constexpr Breakage kBreakages[] = {Breakage::kMoreDims,       Breakage::kFewerDims,
-                                   Breakage::kNegativeSize,   Breakage::kInnerStride,
-                                   Breakage::kNegativeStride, Breakage::kUnknownDtype,
-                                   Breakage::kWrongKindDtype, Breakage::kMisaligned,
-                                   Breakage::kNull,           Breakage::kOtherDevice};
-
-const char* breakage_name(Breakage b) {
-  switch (b) {
-    case Breakage::kMoreDims:
-      return "one dim more";
-    case Breakage::kFewerDims:
-      return "one dim fewer";
-    case Breakage::kNegativeSize:
-      return "a negative size";
-    case Breakage::kInnerStride:
-      return "innermost stride 2";
-    case Breakage::kNegativeStride:
-      return "a negative outer stride";
-    case Breakage::kUnknownDtype:
-      return "an unknown dtype";
-    case Breakage::kWrongKindDtype:
-      return "a dtype of the wrong kind";
-    case Breakage::kMisaligned:
-      return "misaligned data";
-    case Breakage::kNull:
-      return "null data";
-    case Breakage::kOtherDevice:
-      return "another device";
-  }
-  return "?";
-}
+// Every breakage, with its name for messages.
+struct NamedBreakage {
+  Breakage breakage;
+  const char* name;
+};
+constexpr NamedBreakage kBreakages[] = {
+    {Breakage::kMoreDims, "one dim more"},
+    {Breakage::kFewerDims, "one dim fewer"},
+    {Breakage::kNegativeSize, "a negative size"},
+    {Breakage::kInnerStride, "innermost stride 2"},
+    {Breakage::kNegativeStride, "a negative outer stride"},
+    {Breakage::kUnknownDtype, "an unknown dtype"},
+    {Breakage::kWrongKindDtype, "a dtype of the wrong kind"},
+    {Breakage::kMisaligned, "misaligned data"},
+    {Breakage::kNull, "null data"},
+    {Breakage::kOtherDevice, "another device"},
+};
 
 bool is_index_dtype(DType d) { return d == DType::kInt32 || d == DType::kInt64; }
 
@@ -194,22 +180,23 @@ int break_every_tensor(const Call<Params>& call, Device device) {
   Context ctx;
   ctx.error_counts = counts.device_ptr();
   int broken = 0;
-  for (Breakage b : kBreakages) {
+  for (const NamedBreakage& b : kBreakages) {
     Params probe = call.params();
     const size_t num_tensors = call.tensors(&probe).size();
     int applied = 0;
     for (size_t i = 0; i < num_tensors; ++i) {
       Params p = call.params();
       auto [name, view] = call.tensors(&p)[i];
-      if (!view->present() || !break_view(view, b, device)) continue;
-      const std::string what = call.label + ": " + name + " with " + breakage_name(b);
-      expect_refused([&] { call.run(p, ctx); }, b == Breakage::kOtherDevice ? "" : name, what);
+      if (!view->present() || !break_view(view, b.breakage, device)) continue;
+      const std::string what = call.label + ": " + name + " with " + b.name;
+      expect_refused([&] { call.run(p, ctx); }, b.breakage == Breakage::kOtherDevice ? "" : name,
+                     what);
       expect_untouched(call.buffers, counts, what);
       ++applied;
     }
     // Every call has tensors of two dims, of 16-bit or wider elements, with rows: each breakage
     // applies to at least one of them.
-    EXPECT_GT(applied, 0) << call.label << ": " << breakage_name(b) << " applied to no tensor";
+    EXPECT_GT(applied, 0) << call.label << ": " << b.name << " applied to no tensor";
     broken += applied;
   }
   // The unbroken call is accepted, so that each refusal above was its breakage's. The buffers
