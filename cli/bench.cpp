@@ -25,8 +25,9 @@ namespace mlakv {
 namespace cli {
 namespace {
 
-// DeepSeek-V3 on one GPU without TP: 128 heads, kv_lora_rank 512, rope 64, nope 128.
-constexpr int64_t kH = 128;
+// DeepSeek-V3's widths: kv_lora_rank 512, rope 64, nope 128. The query heads on the GPU are an
+// option (BenchOptions::heads): 128 without tensor parallelism, 128 / TP with it.
+constexpr int64_t kModelHeads = 128;
 constexpr int64_t kL = 512;
 constexpr int64_t kR = 64;
 constexpr int64_t kP = 128;
@@ -160,7 +161,7 @@ int64_t decode_tokens(Kind kind, int64_t T) {
 // The fused op's minimal traffic: every input read once, every output written once. The cos/sin
 // rows (256 B a token, shared by all its heads: 0.1-0.7 % of a row's bytes) are not counted, which
 // understates GB/s by as much.
-int64_t fused_bytes(const Workload& w, int64_t T) {
+int64_t fused_bytes(const Workload& w, int64_t T, int64_t H) {
   const int64_t Td = decode_tokens(w.kind, T);
   const int64_t q_out_bytes = static_cast<int64_t>(dtype_size(w.q_out_dtype));
   const int64_t entry_bytes = cache_entry_bytes(w.cache_format, kL, kR);
@@ -168,10 +169,10 @@ int64_t fused_bytes(const Workload& w, int64_t T) {
   int64_t bytes = T * ((kL + kR) * kModelBytes + 2 * kIndexBytes + entry_bytes);
   // Decode Q side: q_pe read, rope part of q_out written; plus ql_nope read and the nope part of
   // q_out written unless the nope part is already in place.
-  bytes += Td * kH * kR * (kModelBytes + q_out_bytes);
-  if (!w.nope_in_q_out) bytes += Td * kH * kL * (kModelBytes + q_out_bytes);
+  bytes += Td * H * kR * (kModelBytes + q_out_bytes);
+  if (!w.nope_in_q_out) bytes += Td * H * kL * (kModelBytes + q_out_bytes);
   // Prefill Q side: the rope part of q read and written.
-  bytes += (T - Td) * kH * kR * kModelBytes * 2;
+  bytes += (T - Td) * H * kR * kModelBytes * 2;
   // The RMSNorm weight, read once.
   if (w.kv_norm) bytes += kL * kModelBytes;
   return bytes;
@@ -238,18 +239,20 @@ int rotation_sets(const Timer& timer, int64_t bytes) {
 // The buffers, params and ops of one mla_rope_cache (workload, T) row.
 class Row : public BenchRow {
  public:
-  Row(const Workload& w, int64_t T, Timer& timer, const Buffer& table, const Buffer& cache_scale,
-      const Buffer& q_scale, const Buffer& error_counts, int workload_index)
+  Row(const Workload& w, int64_t T, int64_t H, Timer& timer, const Buffer& table,
+      const Buffer& cache_scale, const Buffer& q_scale, const Buffer& error_counts,
+      int workload_index)
       : w_(w),
         T_(T),
         Td_(cli::decode_tokens(w.kind, T)),
+        H_(H),
         device_(timer.device()),
         timer_(timer),
         table_(table),
         cache_scale_(cache_scale),
         q_scale_(q_scale),
         error_counts_(error_counts) {
-    bytes_ = fused_bytes(w, T);
+    bytes_ = fused_bytes(w, T, H);
     num_sets_ = rotation_sets(timer, bytes_);
     // Scattered slots over a cache twice as large as all sets' tokens together.
     const int64_t min_slots = std::max<int64_t>(2 * T * num_sets_, 4 * kBlockSize);
@@ -300,7 +303,7 @@ class Row : public BenchRow {
     RotaryEmbeddingParams rope;
     rope.num_tokens = T_;
     rope.positions = make_view(in.positions.data(), DType::kInt64, {T_}, device_);
-    rope.query = w_.kind == Kind::kDecode ? make_view(in.q_pe.data(), kModel, {T_, kH, kR}, device_)
+    rope.query = w_.kind == Kind::kDecode ? make_view(in.q_pe.data(), kModel, {T_, H_, kR}, device_)
                                           : q_rope_view(in, T_);
     rope.key = make_view(in.k_pe.data(), kModel, {T_, 1, kR}, device_);
     rope.cos_sin_cache = table_view();
@@ -326,9 +329,9 @@ class Row : public BenchRow {
     DecodeQConcatParams q_params;
     if (q_concat) {
       q_params.num_tokens = Td_;
-      q_params.ql_nope = make_view(in.ql_nope.data(), kModel, {Td_, kH, kL}, device_);
+      q_params.ql_nope = make_view(in.ql_nope.data(), kModel, {Td_, H_, kL}, device_);
       q_params.q_pe = decode_q_pe_view(in);
-      q_params.q_out = make_view(in.q_out.data(), w_.q_out_dtype, {Td_, kH, kL + kR}, device_);
+      q_params.q_out = make_view(in.q_out.data(), w_.q_out_dtype, {Td_, H_, kL + kR}, device_);
       if (is_float8(w_.q_out_dtype)) q_params.q_scale = q_scale_.as<float>();
     }
     Op q_copy;
@@ -336,7 +339,7 @@ class Row : public BenchRow {
       const size_t q_out_elem = dtype_size(w_.q_out_dtype);
       q_copy = timer_.copy_2d_op(in.q_out.as<uint8_t>() + kL * q_out_elem, (kL + kR) * q_out_elem,
                                  in.q_pe.data(), kR * kModelBytes, kR * kModelBytes,
-                                 static_cast<size_t>(Td_ * kH));
+                                 static_cast<size_t>(Td_ * H_));
     }
     int32_t* counts = error_counts_.as<int32_t>();
     const bool kv_norm = w_.kv_norm;
@@ -385,7 +388,7 @@ class Row : public BenchRow {
     if (has_q()) {
       // The unfused path also rotates the decode rows of q in place (the fused op reads them as
       // q_pe): compare the prefill rows only.
-      const size_t row_bytes = static_cast<size_t>(kH * (kP + kR) * kModelBytes);
+      const size_t row_bytes = static_cast<size_t>(H_ * (kP + kR) * kModelBytes);
       expect_same(label, "q (prefill rows)", "unfused", q_fused, in.q.download(),
                   static_cast<size_t>(Td_) * row_bytes, static_cast<size_t>(T_) * row_bytes);
     }
@@ -450,11 +453,11 @@ class Row : public BenchRow {
     host.slots = index_bytes(slot_values, DType::kInt64);
     host.kv_c = random_values(kModel, T_ * kL, 2.0f, rng);
     host.k_pe = random_values(kModel, T_ * kR, 2.0f, rng);
-    if (w_.kind == Kind::kDecode) host.q_pe = random_values(kModel, T_ * kH * kR, 2.0f, rng);
+    if (w_.kind == Kind::kDecode) host.q_pe = random_values(kModel, T_ * H_ * kR, 2.0f, rng);
     if (Td_ > 0 && !w_.nope_in_q_out) {
-      host.ql_nope = random_values(kModel, Td_ * kH * kL, 2.0f, rng);
+      host.ql_nope = random_values(kModel, Td_ * H_ * kL, 2.0f, rng);
     }
-    if (has_q()) host.q = random_values(kModel, T_ * kH * (kP + kR), 2.0f, rng);
+    if (has_q()) host.q = random_values(kModel, T_ * H_ * (kP + kR), 2.0f, rng);
 
     auto upload = [&](Buffer& b, const std::vector<uint8_t>& h) {
       b = Buffer(device_, h.size());
@@ -469,7 +472,7 @@ class Row : public BenchRow {
     if (!host.q.empty()) upload(in.q, host.q);
     if (Td_ > 0) {
       in.q_out =
-          Buffer(device_, static_cast<size_t>(Td_ * kH * (kL + kR)) * dtype_size(w_.q_out_dtype));
+          Buffer(device_, static_cast<size_t>(Td_ * H_ * (kL + kR)) * dtype_size(w_.q_out_dtype));
       in.q_out.fill_byte(0);
     }
     if (keep_host) in.host = std::move(host);
@@ -500,15 +503,15 @@ class Row : public BenchRow {
 
   // The rope part of q's first `rows` rows: [rows, H, R] with q's strides.
   TensorView q_rope_view(const InputSet& in, int64_t rows) const {
-    return make_strided_view(in.q.as<uint8_t>() + kP * kModelBytes, kModel, {rows, kH, kR},
-                             {kH * (kP + kR), kP + kR, 1}, device_);
+    return make_strided_view(in.q.as<uint8_t>() + kP * kModelBytes, kModel, {rows, H_, kR},
+                             {H_ * (kP + kR), kP + kR, 1}, device_);
   }
 
   // Decode rows' q_pe: its own tensor (decode), or the rope part of q's first Td rows (mixed, as
   // vLLM slices it out of q_b_proj's output).
   TensorView decode_q_pe_view(const InputSet& in) const {
     if (w_.kind == Kind::kMixed) return q_rope_view(in, Td_);
-    return make_view(in.q_pe.data(), kModel, {Td_, kH, kR}, device_);
+    return make_view(in.q_pe.data(), kModel, {Td_, H_, kR}, device_);
   }
 
   MlaRopeCacheParams fused_params(const InputSet& in) const {
@@ -529,18 +532,19 @@ class Row : public BenchRow {
     if (Td_ > 0) {
       p.q_pe = decode_q_pe_view(in);
       if (!w_.nope_in_q_out) {
-        p.ql_nope = make_view(in.ql_nope.data(), kModel, {Td_, kH, kL}, device_);
+        p.ql_nope = make_view(in.ql_nope.data(), kModel, {Td_, H_, kL}, device_);
       }
-      p.q_out = make_view(in.q_out.data(), w_.q_out_dtype, {Td_, kH, kL + kR}, device_);
+      p.q_out = make_view(in.q_out.data(), w_.q_out_dtype, {Td_, H_, kL + kR}, device_);
       if (is_float8(w_.q_out_dtype)) p.q_scale = q_scale_.as<float>();
     }
-    if (has_q()) p.q = make_view(in.q.data(), kModel, {T_, kH, kP + kR}, device_);
+    if (has_q()) p.q = make_view(in.q.data(), kModel, {T_, H_, kP + kR}, device_);
     return p;
   }
 
   const Workload& w_;
   int64_t T_;
   int64_t Td_;
+  int64_t H_;  // query heads
   Device device_;
   Timer& timer_;
   const Buffer& table_;
@@ -923,11 +927,13 @@ int run_bench(const BenchOptions& options) {
 
   std::printf("mlakv bench: %s\n", device_text.c_str());
   std::printf(
-      "DeepSeek-V3: H %lld, L %lld, R %lld, P %lld, GPT-J RoPE (YaRN table, %lld "
+      "DeepSeek-V3: H %lld%s, L %lld, R %lld, P %lld, GPT-J RoPE (YaRN table, %lld "
       "positions), bf16 model dtype, block size %lld, scattered slots, fp8 q_out scale %g\n",
-      static_cast<long long>(kH), static_cast<long long>(kL), static_cast<long long>(kR),
-      static_cast<long long>(kP), static_cast<long long>(kMaxPos),
-      static_cast<long long>(kBlockSize), static_cast<double>(options.q_scale));
+      static_cast<long long>(options.heads),
+      options.heads == kModelHeads ? "" : " (--heads; the model has 128)",
+      static_cast<long long>(kL), static_cast<long long>(kR), static_cast<long long>(kP),
+      static_cast<long long>(kMaxPos), static_cast<long long>(kBlockSize),
+      static_cast<double>(options.q_scale));
   if (roofline.kernel) {
     std::printf(
         "copy roofline %.1f GB/s (1 GiB, read + write: cudaMemcpyAsync D2D %.1f, a streaming "
@@ -971,8 +977,8 @@ int run_bench(const BenchOptions& options) {
       if (w->kind == Kind::kNormQuant || w->kind == Kind::kDualNorm) {
         row = std::make_unique<NormRow>(*w, T, *timer, workload_index);
       } else {
-        row = std::make_unique<Row>(*w, T, *timer, table, cache_scale, q_scale, error_counts,
-                                    workload_index);
+        row = std::make_unique<Row>(*w, T, options.heads, *timer, table, cache_scale, q_scale,
+                                    error_counts, workload_index);
       }
       std::string check = "skipped";
       if (!options.skip_check) {
@@ -1040,7 +1046,7 @@ int run_bench(const BenchOptions& options) {
         {"mlakv_version", version()},
         {"build_info", build_info()},
         {"config",
-         {{"H", kH},
+         {{"H", options.heads},
           {"L", kL},
           {"R", kR},
           {"P", kP},

@@ -35,6 +35,9 @@ struct BenchOptions {
   bool pdl = false;                    // CUDA: every timed op with programmatic dependent launch
   float q_scale = 0.01953125f;         // the fp8 q_out workloads' q_scale (5 / 256)
   int device = 0;                      // the CUDA backend's GPU (cuda:N)
+  // Query heads on the GPU: 128 (DeepSeek-V3 without tensor parallelism, or with data-parallel
+  // attention), 128 / TP with it (16 at TP 8); Kimi-K2 has the same widths with 64 heads.
+  int64_t heads = 128;
 };
 // `mlakv bench`: DeepSeek-V3 shapes, fused op vs unfused primitives vs a copy of the same bytes.
 int run_bench(const BenchOptions& options);

@@ -79,6 +79,13 @@ int run(int argc, char** argv) {
                    "The fp8 q_out workloads' q_scale (the scale q_out is quantized by)")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
+  bench
+      ->add_option("--heads", bench_options.heads,
+                   "Query heads on this GPU: 128 for DeepSeek-V3 without tensor parallelism, "
+                   "128 / TP with it (16 at TP 8); Kimi-K2: 64, 8 at TP 8 (the mla_rope_cache "
+                   "workloads; the norm rows do not depend on it)")
+      ->check(CLI::Range(int64_t{1}, int64_t{1024}))
+      ->capture_default_str();
   bench->add_option("--device", bench_options.device, "The CUDA backend's GPU, cuda:N")
       ->check(CLI::Range(0, 1023))
       ->capture_default_str();
