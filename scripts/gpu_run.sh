@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The GPU run: build with CUDA, run the tests, the CUDA sanitizers, `mlakv check` and `mlakv bench`,
 # writing every log under $LOGS and printing only short summaries (last, so that a tool that keeps
-# the tail of stdout keeps them). $OUT receives few files: summary.txt, bench.txt / bench.json when
-# the bench ran, and logs.tar.gz with every log. Meant for a machine without network: header-only dependencies
+# the tail of stdout keeps them). $OUT receives few files: summary.txt, bench.txt / bench.json (and
+# bench_h<H>.txt / .json, BENCH_HEADS) when the bench ran, and logs.tar.gz with every log. Meant for a machine without network: header-only dependencies
 # and googletest come from .deps/ (scripts/vendor_deps.sh).
 #
 #   scripts/gpu_run.sh [stage...]     stages: build test sanitize check bench python profile
@@ -18,6 +18,9 @@
 #   SANITIZE_FILTER  gtest filter of the sanitizer runs (default: the CUDA-parameterized tests)
 #   STAGE_TIMEOUT    seconds per stage command before it is killed (default 540)
 #   SANITIZE_TIMEOUT the same for each sanitizer run (default STAGE_TIMEOUT)
+#   BENCH_HEADS      query-head counts at which the bench stage also times the mla_rope_cache
+#                    workloads, after the default table at 128 (default 16: DeepSeek-V3 at
+#                    tensor parallelism 8; empty: none); bench_h<H>.txt / .json
 #   PROFILE_CASES    workload:T pairs that `profile` runs under Nsight Compute (one fused-kernel
 #                    launch each; default: decode_nope_in_q_out:1 decode_bf16:1 decode_bf16:2048
 #                    prefill_bf16:8192); rmsnorm_quant_qc:T and mla_rmsnorm_quant:T profile the
@@ -173,8 +176,14 @@ stage_check() {
 stage_bench() {
   run_logged "mlakv bench" "$LOGS/bench.txt" \
     "$BUILD_DIR/mlakv" bench --json "$LOGS/bench.json"
-  local rc=$?
+  local rc=$? h
   cat "$LOGS/bench.txt" >>"$SUMMARY"
+  for h in ${BENCH_HEADS-16}; do
+    run_logged "mlakv bench --heads $h" "$LOGS/bench_h$h.txt" \
+      "$BUILD_DIR/mlakv" bench --heads "$h" --json "$LOGS/bench_h$h.json" --workload \
+      decode_bf16,decode_bf16_norm,decode_fp8,decode_nope_in_q_out,prefill_bf16,mixed_bf16 || rc=1
+    cat "$LOGS/bench_h$h.txt" >>"$SUMMARY"
+  done
   return $rc
 }
 
@@ -223,7 +232,9 @@ stage_profile() {
 publish() {
   cp "$SUMMARY" "$OUT/"
   local f
-  for f in bench.txt bench.json; do [[ -f $LOGS/$f ]] && cp "$LOGS/$f" "$OUT/"; done
+  for f in "$LOGS"/bench.txt "$LOGS"/bench.json "$LOGS"/bench_h*.txt "$LOGS"/bench_h*.json; do
+    [[ -f $f ]] && cp "$f" "$OUT/"
+  done
 }
 
 failed=()
