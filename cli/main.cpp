@@ -81,9 +81,9 @@ int run(int argc, char** argv) {
       ->capture_default_str();
   bench
       ->add_option("--heads", bench_options.heads,
-                   "Query heads on this GPU: 128 for DeepSeek-V3 without tensor parallelism, "
-                   "128 / TP with it (16 at TP 8); Kimi-K2: 64, 8 at TP 8 (the mla_rope_cache "
-                   "workloads; the norm rows do not depend on it)")
+                   "Query heads on the device: 128 for DeepSeek-V3 without tensor parallelism, "
+                   "128 / TP with it (16 at TP 8); Kimi-K2 has DeepSeek-V3's widths with 64 heads "
+                   "(8 at TP 8) (the mla_rope_cache workloads; the norm rows do not depend on it)")
       ->check(CLI::Range(int64_t{1}, int64_t{1024}))
       ->capture_default_str();
   bench->add_option("--device", bench_options.device, "The CUDA backend's GPU, cuda:N")
