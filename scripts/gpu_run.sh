@@ -2,8 +2,9 @@
 # The GPU run: build with CUDA, run the tests, the CUDA sanitizers, `mlakv check` and `mlakv bench`,
 # writing every log under $LOGS and printing only short summaries (last, so that a tool that keeps
 # the tail of stdout keeps them). $OUT receives few files: summary.txt, bench.txt / bench.json (and
-# bench_h<H>.txt / .json, BENCH_HEADS) when the bench ran, and logs.tar.gz with every log. Meant for a machine without network: header-only dependencies
-# and googletest come from .deps/ (scripts/vendor_deps.sh).
+# bench_h<H>.txt / .json, BENCH_HEADS) when the bench ran, and logs.tar.gz with every log. Meant
+# for a machine without network: header-only dependencies and googletest come from .deps/
+# (scripts/vendor_deps.sh).
 #
 #   scripts/gpu_run.sh [stage...]     stages: build test sanitize check bench python profile
 #                                     default: build test sanitize check bench

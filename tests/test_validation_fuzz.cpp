@@ -318,7 +318,6 @@ TEST_P(ValidationFuzz, UnfusedOpsRefuseEveryBrokenTensor) {
         p.kv_cache = f.cache.device_view();
         return p;
       },
-
       [](ConcatAndCacheMlaParams* p) -> Tensors {
         return {{"kv_c", &p->kv_c}, {"k_pe", &p->k_pe}, {"slot_mapping", &p->slot_mapping}};
       },
@@ -353,7 +352,6 @@ TEST_P(ValidationFuzz, UnfusedOpsRefuseEveryBrokenTensor) {
         p.cos_sin_cache = f.cos_sin.device_view();
         return p;
       },
-
       [](RotaryEmbeddingParams* p) -> Tensors {
         return {{"positions", &p->positions},
                 {"query", &p->query},
@@ -434,7 +432,6 @@ TEST_P(ValidationFuzz, RmsNormQuantRefusesEveryBrokenTensor) {
             p.quant = call.params().quant;
             return p;
           },
-
           [](PerTokenGroupQuantParams* p) -> Tensors {
             return {{"input", &p->input},
                     {"quant.values", &p->quant.values},
@@ -461,7 +458,6 @@ TEST_P(ValidationFuzz, RmsNormQuantRefusesEveryBrokenTensor) {
             p.kv.output = normed.device_view();
             return p;
           },
-
           [](MlaRmsNormQuantParams* p) -> Tensors {
             return {{"q.input", &p->q.input},
                     {"q.weight", &p->q.weight},
@@ -506,7 +502,6 @@ TEST_P(ValidationFuzz, GathersRefuseEveryBrokenTensor) {
           p.out = out.device_view();
           return p;
         },
-
         [](GatherCacheSlotsParams* p) -> Tensors {
           return {{"slots", &p->slots}, {"out", &p->out}};
         },
@@ -528,7 +523,6 @@ TEST_P(ValidationFuzz, GathersRefuseEveryBrokenTensor) {
           p.out = seq_out.device_view();
           return p;
         },
-
         [](GatherCacheSequencesParams* p) -> Tensors {
           return {
               {"block_table", &p->block_table}, {"cu_seq_lens", &p->cu_seq_lens}, {"out", &p->out}};
