@@ -21,7 +21,7 @@ std::vector<Kind> slot_kinds(const FusedSpec& s) {
     for (int64_t t = s.padding_every - 1; t < s.T; t += s.padding_every) kinds[t] = Kind::kPadding;
   }
   int64_t left = s.bad_slots;
-  for (int64_t t = 1; t < s.T && left > 0; t += 2) {
+  for (int64_t t = s.bad_slot_start; t < s.T && left > 0; t += 2) {
     if (kinds[t] == Kind::kNormal) {
       kinds[t] = Kind::kBadSlot;
       --left;

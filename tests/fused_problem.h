@@ -73,10 +73,11 @@ struct FusedSpec {
   int64_t in_head_pad = 0;         // ... of q, q_pe and ql_nope
 
   // Safety.
-  int64_t padding_every = 0;  // every k-th token (k > 0) is padding (slot -1)
-  int64_t bad_slots = 0;      // number of tokens with a slot past the cache end
-  int64_t bad_positions = 0;  // number of tokens with a position outside the table
-  bool device_td = false;     // given to every entry point; kDecode / kPrefill must ignore it
+  int64_t padding_every = 0;   // every k-th token (k > 0) is padding (slot -1)
+  int64_t bad_slots = 0;       // number of tokens with a slot past the cache end
+  int64_t bad_slot_start = 1;  // ... the first of them; then every second token
+  int64_t bad_positions = 0;   // number of tokens with a position outside the table
+  bool device_td = false;      // given to every entry point; kDecode / kPrefill must ignore it
   int32_t device_td_value = 0;
   uint64_t seed = 1;
 };

@@ -85,9 +85,9 @@ class CudaKernelChoice : public testing::Test {
   cudaStream_t stream_ = nullptr;
 };
 
-// The last two template arguments of mla_rope_cache_kernel<T, kFormat, QOut, kVec, kKTableFirst,
-// kRopeInCopy>, as the demangled name spells them ("true, false"), or "" if `name` is not that
-// kernel.
+// The last two template arguments of mla_rope_cache_kernel<T, kFormat, QOut, kVec, kKTokens,
+// kKTableFirst, kRopeInCopy>, as the demangled name spells them ("true, false"), or "" if `name` is
+// not that kernel.
 std::string fused_flags(const std::string& name) {
   const std::string kernel = "mla_rope_cache_kernel<";
   const size_t begin = name.find(kernel);
@@ -246,7 +246,8 @@ TEST_F(CudaFusedKernelChoice, DecodeQConcatPartsInPlace) {
 }
 
 // The template arguments of mla_rope_cache_kernel<...> as the demangled name spells them, split at
-// ", " (T, kFormat, QOut, kVec, kKTableFirst, kRopeInCopy), or empty if `name` is not that kernel.
+// ", " (T, kFormat, QOut, kVec, kKTokens, kKTableFirst, kRopeInCopy), or empty if `name` is not
+// that kernel.
 std::vector<std::string> fused_arguments(const std::string& name) {
   const std::string kernel = "mla_rope_cache_kernel<";
   const size_t begin = name.find(kernel);
@@ -266,8 +267,77 @@ std::vector<std::string> fused_arguments(const std::string& name) {
 void expect_fused_vector_instance(const std::vector<std::string>& names) {
   ASSERT_EQ(names.size(), 1u) << "expected one kernel, the fused one";
   const std::vector<std::string> args = fused_arguments(names[0]);
-  ASSERT_EQ(args.size(), 6u) << names[0];
+  ASSERT_EQ(args.size(), 7u) << names[0];
   EXPECT_EQ(args[3], "true") << names[0];
+}
+
+// K items of two tokens (cuda/mla_rope_cache.h kKTwoTokensMinTokens): from that many tokens on, in
+// the table-first instance of a 16-bit model (q_out of the model dtype or none), where L <= 512
+// and R <= 128; one token below the threshold, for wider shapes, an fp32 model and an e4m3 q_out.
+TEST_F(CudaFusedKernelChoice, KItemsOfTwoTokensFromTheThreshold) {
+  constexpr int64_t kMin = cuda::kKTwoTokensMinTokens;
+  static_assert(kMin >= cuda::kKTableFirstMinTokens);
+  static_assert(kMin <= 4096, "the TwoTokenK specs (test_fused.cpp) take T = 4096-4099");
+  static_assert(cuda::kKTwoTokensMaxLatent == 512 && cuda::kKTwoTokensMaxRope == 128,
+                "the widths below are the limits");
+  struct Case {
+    FusedSpec spec;
+    const char* tokens;       // kKTokens
+    const char* table_first;  // kKTableFirst
+  };
+  std::vector<Case> cases = {
+      {spec_of("decode_below", Entry::kDecode, kMin - 1, kMin - 1), "1", "true"},
+      {spec_of("decode_at", Entry::kDecode, kMin, kMin), "2", "true"},
+      {spec_of("mixed_above", Entry::kMixed, kMin + 3, 1000), "2", "true"},
+      {spec_of("prefill_at", Entry::kPrefill, kMin, 0), "2", "true"},
+  };
+  FusedSpec s = spec_of("l512_r128_at", Entry::kPrefill, kMin, 0);
+  s.shape = ModelShape{"l512r128", 2, 512, 128, 128};
+  cases.push_back({s, "2", "true"});
+  s.name = "l512_r136_at";
+  s.shape = ModelShape{"l512r136", 2, 512, 136, 128};
+  cases.push_back({s, "1", "true"});
+  s.name = "l1024_at";
+  s.shape = ModelShape{"l1024", 2, 1024, 64, 128};
+  cases.push_back({s, "1", "true"});
+  s = spec_of("fp16_at", Entry::kMixed, kMin, 100);
+  s.model = DType::kFloat16;
+  cases.push_back({s, "2", "true"});
+  s.name = "fp32_at";
+  s.model = DType::kFloat32;
+  cases.push_back({s, "1", "true"});
+  s = spec_of("qout_e4m3_at", Entry::kDecode, kMin, kMin);
+  s.q_out_dtype = DType::kFloat8E4M3;
+  s.q_scale = 0.05f;
+  cases.push_back({s, "1", "false"});
+  auto expect_args = [](const std::vector<std::string>& names, const char* tokens,
+                        const char* table_first) {
+    ASSERT_EQ(names.size(), 1u) << "expected one kernel, the fused one";
+    const std::vector<std::string> args = fused_arguments(names[0]);
+    ASSERT_EQ(args.size(), 7u) << names[0];
+    EXPECT_EQ(args[4], tokens) << names[0];
+    EXPECT_EQ(args[5], table_first) << names[0];
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.spec.name);
+    expect_args(kernels_of(c.spec), c.tokens, c.table_first);
+  }
+  // concat_and_cache_mla (no rotation) keeps one token an item at any T.
+  SCOPED_TRACE("concat_and_cache_mla");
+  CacheGeometry g;
+  g.num_blocks = kMin / g.block_size + 2;
+  const TestCache cache = new_cache(device_, g);
+  const Tensor kv_c = new_tensor(device_, DType::kBFloat16, {kMin, g.L});
+  const Tensor k_pe = new_tensor(device_, DType::kBFloat16, {kMin, g.R});
+  const Tensor slots = new_tensor(device_, DType::kInt64, {kMin});
+  ConcatAndCacheMlaParams concat;
+  concat.num_tokens = kMin;
+  concat.kv_c = kv_c.device_view();
+  concat.k_pe = k_pe.device_view();
+  concat.slot_mapping = slots.device_view();
+  concat.kv_cache = cache.device_view();
+  expect_args(kernels_of([&](const Context& ctx) { concat_and_cache_mla(concat, ctx); }), "1",
+              "false");
 }
 
 // The stride of a size-1 cache dim is never used, and validation hands the backend 0 for it: a
@@ -352,7 +422,7 @@ TEST_F(CudaFusedKernelChoice, UnalignedRowsTakeTheElementWisePath) {
     SCOPED_TRACE(op);
     ASSERT_EQ(names.size(), 1u) << "expected one kernel, the fused one";
     const std::vector<std::string> args = fused_arguments(names[0]);
-    ASSERT_EQ(args.size(), 6u) << names[0];
+    ASSERT_EQ(args.size(), 7u) << names[0];
     EXPECT_EQ(args[3], "false") << names[0];
   }
 }

@@ -422,6 +422,88 @@ std::vector<FusedSpec> large_launch_specs() {
   return std::move(add).specs();
 }
 
+// K items of two tokens (CUDA: from kKTwoTokensMinTokens = 4096 tokens, in the table-first order
+// with a 16-bit model, L <= 512 and R <= 128): T odd and even (the last item's second token past
+// the launch or not), bad slots and bad positions on an item's first token and on its second,
+// padding, every optional output, RMSNorm into the bf16, e4m3 and fp8_ds_mla caches, tensors of
+// exactly T rows; NeoX and GPT-J (outputs in place) at R = 128, two pairs a lane; L = 208 with
+// R = 16 (a lane's second chunk past the row on most lanes, 24 of 32 lanes without a pair) with
+// int32 indices and a bf16 table; L = 256 with R = 32, an fp16 model and an e5m2 cache; a device
+// Td with q_prefill_out; a decode launch (the copy items' rope instance); and shapes and types
+// that keep one token: L = 1024, R = 136, an e4m3 q_out.
+std::vector<FusedSpec> two_token_k_specs() {
+  SpecAdder add(700);
+  constexpr ModelShape kR128{"l512r128", 2, 512, 128, 128};
+  constexpr ModelShape kL208{"l208r16", 2, 208, 16, 64};
+  constexpr ModelShape kL256{"l256r32", 2, 256, 32, 64};
+  constexpr ModelShape kL1024{"l1024", 2, 1024, 64, 128};
+  constexpr ModelShape kR136{"l512r136", 2, 512, 136, 128};
+  for (const FormatCase& f : {kFormats[0], kFormats[3], kFormats[6]}) {
+    for (const int64_t T : {int64_t{4096}, int64_t{4099}}) {
+      FusedSpec s = base(kDeepSeekV3H2, f, T, 1500);
+      s.norm = true;
+      s.k_pe_out = s.kv_c_out = true;
+      s.padding_every = 5;
+      s.bad_slots = 3;
+      s.bad_slot_start = T % 2 == 0 ? 0 : 1;  // first tokens at T = 4096, second at 4099
+      s.bad_positions = 3;  // from T - 1: second tokens at T = 4096, first at 4099
+      s.zero_tiles = f.format == CacheFormat::kFloat8DsMla ? 5 : 0;
+      add(s, "twotok");
+    }
+  }
+  FusedSpec s = base(kR128, kFormats[0], 4097, 2000);
+  s.style = RopeStyle::kNeox;
+  s.k_pe_out = true;
+  s.bad_positions = 2;
+  add(s, "twotok_neox");
+  s.style = RopeStyle::kGptJ;
+  s.outs_in_place = s.kv_c_out = true;
+  s.norm = true;
+  add(s, "twotok_inplace");
+  s = base(kL208, kFormats[0], 4098, 1000);
+  s.norm = true;
+  s.kv_c_out = s.k_pe_out = true;
+  s.index32 = true;
+  s.table_dtype = DType::kBFloat16;
+  s.bad_slots = 1;
+  s.bad_slot_start = 4096;  // the first token of the last item, whose second is T - 1
+  add(s, "twotok_l208");
+  // Tensors of exactly T rows: the item past the last token reads nothing (under memcheck).
+  s = base(kDeepSeekV3H2, kFormats[0], 4097, 2000);
+  s.extra_rows = 0;
+  s.k_pe_out = s.kv_c_out = true;
+  s.norm = true;
+  add(s, "twotok_exact_rows");
+  s = base(kL256, kFormats[5], 4099, 4099);
+  s.model = DType::kFloat16;
+  s.norm = true;
+  s.kv_c_out = true;
+  add(s, "twotok_fp16");
+  s = base(kDeepSeekV3H2, kFormats[7], 4097, 1234);
+  s.device_td = true;
+  s.device_td_value = 1234;
+  s.prefill_out = true;
+  s.norm = true;
+  add(s, "twotok_devtd");
+  s = base(kDeepSeekV3H2, kFormats[0], 4096, 4096);
+  s.entry = Entry::kDecode;
+  s.prefill_q = false;
+  s.bad_positions = 1;
+  add(s, "twotok_decode");
+  for (const ModelShape& one : {kL1024, kR136}) {
+    s = base(one, kFormats[0], 4097, 100);
+    s.norm = true;
+    s.k_pe_out = true;
+    add(s, "onetok");
+  }
+  s = base(kDeepSeekV3H2, kFormats[3], 4097, 4097);
+  s.q_out_dtype = DType::kFloat8E4M3;
+  s.q_scale = 0.05f;
+  s.norm = true;
+  add(s, "onetok_qout_e4m3");
+  return std::move(add).specs();
+}
+
 using Param = std::tuple<Backend, FusedSpec>;
 
 class FusedOp : public testing::TestWithParam<Param> {};
@@ -457,6 +539,10 @@ INSTANTIATE_TEST_SUITE_P(QSide, FusedOp,
 INSTANTIATE_TEST_SUITE_P(LargeLaunch, FusedOp,
                          testing::Combine(testing::ValuesIn(all_backends()),
                                           testing::ValuesIn(large_launch_specs())),
+                         param_name);
+INSTANTIATE_TEST_SUITE_P(TwoTokenK, FusedOp,
+                         testing::Combine(testing::ValuesIn(all_backends()),
+                                          testing::ValuesIn(two_token_k_specs())),
                          param_name);
 
 }  // namespace

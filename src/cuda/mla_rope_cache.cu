@@ -119,7 +119,14 @@ MlaRopeCacheKernelParams make_params(const core::MlaRopeCacheArgs& a, bool apply
   const bool has_decode = a.q_out != nullptr && H > 0 && decode_end > 0;
   const bool has_prefill = a.q != nullptr && H > 0 && prefill_begin < T;
 
-  p.num_k_items = a.kv_c != nullptr ? T : 0;
+  // Two tokens a K item (kKTwoTokensMinTokens) only where the launcher takes the table-first
+  // instance of a 16-bit model: the 16-byte path with rotation and q_out of the model dtype or
+  // none.
+  p.k_two_tokens = a.kv_c != nullptr && vec && apply_rope && elem_bytes == 2 &&
+                   T >= kKTwoTokensMinTokens && a.kv_lora_rank <= kKTwoTokensMaxLatent &&
+                   a.rope_dim <= kKTwoTokensMaxRope &&
+                   (a.q_out == nullptr || a.q_out_dtype == a.model_dtype);
+  p.num_k_items = a.kv_c != nullptr ? (p.k_two_tokens ? ceil_div(T, 2) : T) : 0;
 
   const int64_t half = a.rope_dim / 2;
   const int64_t ppl = std::max<int64_t>(1, ceil_div(half, 32));

@@ -33,6 +33,22 @@ constexpr int kMlaResidentWarpsPerSm = 24;
 // is not monotonic in T), and at T = 1-32 the rows' round trip behind the position's lengthens the
 // launch's longest chain (3-6 % slower, eleventh session).
 constexpr int64_t kKTableFirstMinTokens = 1280;
+// From this many tokens on, in the table-first order with a 16-bit model, a K item holds two
+// tokens instead of one where a lane can hold both (L <= kKTwoTokensMaxLatent, R <=
+// kKTwoTokensMaxRope: the registers one token of the widest shape takes), each in the whole warp,
+// with every load of both in flight together. A K item waits for two round trips (slot and
+// position, then the cos/sin row) and moves only its token's 2.3 KB (DeepSeek-V3), so at a
+// tensor-parallel shard's head counts, where the K side is a third of the bytes, a warp had too
+// little in flight. docs/perf-notes.md: two tokens an item were 7-9 % faster than one with the
+// same code on the K-heavy rows at 16 heads from T = 4096 on, and slower at T = 1280, where a
+// launch of a wave or two waits for its longest chain (thirty-sixth session, runs 149-150); this
+// form was 4-6 % faster than one token on those rows, 1-2 % at 128 heads, and equal below 4096
+// (H100, run 151).
+constexpr int64_t kKTwoTokensMinTokens = 4096;
+constexpr int64_t kKTwoTokensMaxLatent = 512;
+constexpr int64_t kKTwoTokensMaxRope = 128;
+static_assert(kKTwoTokensMinTokens >= kKTableFirstMinTokens,
+              "K items of two tokens are compiled for the table-first order only");
 
 // From this many decode tokens on (a device Td: tokens), with q_out of the model dtype, the decode
 // copy's items also rotate their rows' rope parts (q_pe -> q_out[t, h, L:]) instead of the rope
@@ -80,8 +96,8 @@ struct CopyList {
 struct MlaRopeCacheKernelParams {
   // The dispatch and the rope items' placement first: a launch's parameter lines reach a warp one
   // constant-cache miss after another, so what every warp reads before its first loads leads.
-  // Warp work items, in this order: K side (one per token), rope (one per token and group of
-  // heads), decode nope copy, prefill nope copy.
+  // Warp work items, in this order: K side (one or two tokens each), rope (one per token and group
+  // of heads), decode nope copy, prefill nope copy.
   int64_t num_items = 0;  // all of them
   int64_t num_k_items = 0;
   int64_t num_rope_items = 0;
@@ -98,6 +114,9 @@ struct MlaRopeCacheKernelParams {
   // Read every parameter line before the programmatic wait (a PDL launch, where that time is
   // hidden behind the previous kernel); otherwise each item reads only the lines it uses.
   bool prefetch_params = false;
+  // Two tokens a K item (kKTwoTokensMinTokens): num_k_items = ceil(T / 2). Read on the host only
+  // (the kernel's kKTokens instance).
+  bool k_two_tokens = false;
   int32_t* error_counts = nullptr;
 
   core::MlaRopeCacheArgs args;  // validated; the rope fields are unused when !apply_rope

@@ -5,7 +5,10 @@
 // grid-stride loop: such a loop keeps the invariants of every item kind live at once, which tripled
 // the register count):
 //
-//   [0, T)                     K item, one token t:
+//   [0, K)                     K item, one token t = i (K = T), or two tokens t = 2i, 2i + 1
+//                                (K = ceil(T / 2), kKTokens: large launches of narrow shapes,
+//                                mla_rope_cache.h kKTwoTokensMinTokens), each held by the whole
+//                                warp as below, the loads of both in flight together:
 //                                lane l holds kv_c chunks k = l, l + 32, ... (8 elements each):
 //                                  kv_c[t] |c0 c1 ... c31|c32 ... c63|   (L = 512: 2 per lane)
 //                                           l0 l1 ... l31 l0  ... l31
@@ -18,7 +21,7 @@
 //                                Cache entry (combined layout, bytes):
 //                                  [0, L*c) latent | [L*c, (L+R)*c) rope            raw / fp8
 //                                  [0,512) e4m3 | [512,528) 4 fp32 scales | [528,656) bf16 rope
-//   [T, T + T*G)               rope item, one token t and a group of heads (G groups per token);
+//   [K, K + T*G)               rope item, one token t and a group of heads (G groups per token);
 //                                t < Td: q_pe -> q_out[t, h, L:] (none with kRopeInCopy: the copy
 //                                items do those); t >= Td: q[t, h, P:] -> in place or
 //                                q_prefill_out[t, h, P:]. Two mappings (p.rope_chunked, host):
@@ -85,6 +88,9 @@ constexpr int kMaxLatent = 1024;  // DESIGN.md: L <= 1024
 constexpr int kMaxLatentChunksPerLane = kMaxLatent / kChunkElems / kWarpSize;  // 4
 constexpr int kMaxRopePairsPerLane = 256 / 2 / kWarpSize;                      // R <= 256: 4
 constexpr int kRopeSlots = 8;
+// A K item of two tokens holds each in half of a lane's chunk and pair registers.
+static_assert(kKTwoTokensMaxLatent <= kMaxLatent / 2 && kKTwoTokensMaxRope <= 256 / 2,
+              "two tokens of the widest two-token shape fit a lane's registers for one token");
 // Chunks a lane stages in its warp's kStageBytes (bf16 / fp16: 16, fp32: 8).
 template <typename T>
 constexpr int kStageSlots = kStageBytes / kWarpSize / static_cast<int>(sizeof(Chunk<T>));
@@ -104,177 +110,211 @@ __device__ __forceinline__ float pick(const float (&a)[kMaxRopePairsPerLane], in
   return r;
 }
 
-template <typename T, CacheFormat kFormat, bool kVec, bool kKTableFirst>
-__device__ __forceinline__ void k_side_item(const MlaRopeCacheKernelParams& p, int64_t t, int lane,
+// K item of kKTokens (1 or 2) tokens t0, t0 + 1 (those below T): each token is held by the whole
+// warp exactly as one token is, with every load of both tokens issued before the first is used, so
+// that a warp has twice the bytes in flight behind the same chain of round trips. Two tokens a
+// lane hold at most what one token of the widest shape holds: L <= 512 (2 chunks a lane a token)
+// and R <= 128 (2 pairs); the launcher takes them only there (mla_rope_cache.h
+// kKTwoTokensMinTokens).
+template <typename T, CacheFormat kFormat, bool kVec, int kKTokens, bool kKTableFirst>
+__device__ __forceinline__ void k_side_item(const MlaRopeCacheKernelParams& p, int64_t t0, int lane,
                                             T* w_smem, float cache_scale) {
+  static_assert(kKTokens == 1 || kKTokens == 2, "a K item holds one or two tokens");
   // w_smem: the warp's stage, where the RMSNorm weight row lands.
   using Latent = typename CacheTraits<kFormat>::Latent;
   using RopeT = typename CacheTraits<kFormat>::Rope;
+  constexpr int kChunks = kMaxLatentChunksPerLane / kKTokens;  // a lane's chunks of one token
+  constexpr int kPairs = kMaxRopePairsPerLane / kKTokens;      // a lane's rope pairs of one token
   const core::MlaRopeCacheArgs& a = p.args;
   const int64_t L = a.kv_lora_rank;
   const int half = static_cast<int>(a.rope_dim / 2);
   const int cpr = static_cast<int>(L / kChunkElems);
   const bool has_norm = a.kv_norm_weight != nullptr;
   const bool neox = p.apply_rope && a.rope.style == RopeStyle::kNeox;
+  // The item's tokens below T (warp-uniform): the first always; a second past the launch (T odd)
+  // loads, writes and counts nothing.
+  bool live[kKTokens];
+#pragma unroll
+  for (int u = 0; u < kKTokens; ++u) live[u] = u == 0 || t0 + u < a.num_tokens;
 
-  // Every input of the token is requested before the first use: the slot, then the position
+  // Every input of the tokens is requested before the first use: the slot, then the position
   // (ahead of the rows: it heads the item's longest chain, position -> cos/sin -> cache entry),
   // then the rows. The position is clamped (and counted, which keeps the compiler from hoisting
   // later loads above the test) and the cos/sin entries requested after the rows, so that the
   // position's round trip overlaps the rows'; with kKTableFirst (large launches, mla_rope_cache.h
   // kKTableFirstMinTokens) before them, so that the rows wait behind the position.
-  const int64_t slot = load_index(a.slot_mapping, t);
-  const int64_t raw_pos = p.apply_rope ? load_index(a.positions, t) : 0;
-  uint32_t cs_in[kMaxRopePairsPerLane] = {};
-  uint32_t sn_in[kMaxRopePairsPerLane] = {};
-  auto request_table = [&] {
-    const int64_t pos =
-        clamp_position(raw_pos, a.rope.max_pos, lane == 0 ? p.error_counts : nullptr);
-    start_load_cos_sin(a.rope, pos, half, kMaxRopePairsPerLane, lane, cs_in, sn_in);
+  int64_t slot[kKTokens], raw_pos[kKTokens];
+#pragma unroll
+  for (int u = 0; u < kKTokens; ++u) {
+    slot[u] = live[u] ? load_index(a.slot_mapping, t0 + u) : -1;
+    raw_pos[u] = live[u] && p.apply_rope ? load_index(a.positions, t0 + u) : 0;
+  }
+  uint32_t cs_in[kKTokens][kPairs] = {};
+  uint32_t sn_in[kKTokens][kPairs] = {};
+  auto request_tables = [&] {
+#pragma unroll
+    for (int u = 0; u < kKTokens; ++u) {
+      if (!live[u]) continue;
+      const int64_t pos =
+          clamp_position(raw_pos[u], a.rope.max_pos, lane == 0 ? p.error_counts : nullptr);
+      start_load_cos_sin(a.rope, pos, half, kPairs, lane, cs_in[u], sn_in[u]);
+    }
   };
-  if (kKTableFirst && p.apply_rope) request_table();
-  const T* kv_c = static_cast<const T*>(a.kv_c) + t * a.stride_kv_c_token;
+  if (kKTableFirst && p.apply_rope) request_tables();
   const T* weight = static_cast<const T*>(a.kv_norm_weight);
   // The rows stay in flight (vec.cuh ChunkInFlight) until every load of the item is issued.
-  ChunkInFlight<kVec, T> x_in[kMaxLatentChunksPerLane];
+  ChunkInFlight<kVec, T> x_in[kKTokens][kChunks];
 #pragma unroll
-  for (int s = 0; s < kMaxLatentChunksPerLane; ++s) {
-    const int k = lane + kWarpSize * s;
-    if (k < cpr) {
-      x_in[s] = start_load_chunk<kVec>(kv_c + k * kChunkElems, kChunkElems);
-      // The weight goes straight to shared memory (no registers held while the loads fly).
-      if (kVec && has_norm) {
-        copy_chunk_async<T, /*kCached=*/true>(w_smem + k * kChunkElems, weight + k * kChunkElems);
+  for (int u = 0; u < kKTokens; ++u) {
+    const T* kv_c = static_cast<const T*>(a.kv_c) + (t0 + u) * a.stride_kv_c_token;
+#pragma unroll
+    for (int s = 0; s < kChunks; ++s) {
+      const int k = lane + kWarpSize * s;
+      if (live[u] && k < cpr) {
+        x_in[u][s] = start_load_chunk<kVec>(kv_c + k * kChunkElems, kChunkElems);
+        // The weight goes straight to shared memory (no registers held while the loads fly),
+        // once for the item's tokens.
+        if (kVec && has_norm && u == 0) {
+          copy_chunk_async<T, /*kCached=*/true>(w_smem + k * kChunkElems, weight + k * kChunkElems);
+        }
       }
     }
   }
   if (kVec && has_norm) cp_async_commit();
-  const T* k_pe = static_cast<const T*>(a.k_pe) + t * a.stride_k_pe_token;
-  PairInFlight<kVec, T> r_in[kMaxRopePairsPerLane];
+  PairInFlight<kVec, T> r_in[kKTokens][kPairs];
 #pragma unroll
-  for (int j = 0; j < kMaxRopePairsPerLane; ++j) {
-    const int pr = lane + kWarpSize * j;
-    if (pr < half) {
-      r_in[j] = start_load_pair_packed<kVec>(k_pe, pair_first(neox, pr),
-                                             pair_second(neox, pr, half), !neox);
-    }
-  }
-  if (!kKTableFirst && p.apply_rope) request_table();
-
-  // After the loads are in flight: the scale's divisor (fp8 caches; unused and dropped otherwise),
-  // then the rows split into elements.
-  const Divisor cache_div = make_divisor(cache_scale);
-  Chunk<T> x[kMaxLatentChunksPerLane];
+  for (int u = 0; u < kKTokens; ++u) {
+    const T* k_pe = static_cast<const T*>(a.k_pe) + (t0 + u) * a.stride_k_pe_token;
 #pragma unroll
-  for (int s = 0; s < kMaxLatentChunksPerLane; ++s) {
-    if (lane + kWarpSize * s < cpr) x[s] = finish_load_chunk<kVec, T>(x_in[s]);
-  }
-  Pair<T> r[kMaxRopePairsPerLane];
-#pragma unroll
-  for (int j = 0; j < kMaxRopePairsPerLane; ++j) {
-    if (lane + kWarpSize * j < half) r[j] = finish_load_pair<kVec, T>(r_in[j]);
-  }
-  float cs[kMaxRopePairsPerLane], sn[kMaxRopePairsPerLane];
-  table_values(a.rope, cs_in, cs);
-  table_values(a.rope, sn_in, sn);
-  if (has_norm) {
-    // The pairwise tree of the row's squares (device_common.cuh): slot s holds chunks 32s ..
-    // 32s + 31, one subtree of 256 elements; chunks past the row enter as +0.
-    float part[kMaxLatentChunksPerLane];
-#pragma unroll
-    for (int s = 0; s < kMaxLatentChunksPerLane; ++s) {
-      part[s] = lane + kWarpSize * s < cpr ? chunk_square_sum(x[s]) : 0.0f;
-    }
-    const float inv_rms = num::rms_inv(warp_slots_sum(part), L, a.kv_norm_eps);
-    if (kVec) cp_async_wait_all();  // this lane's own weight chunks have landed
-#pragma unroll
-    for (int s = 0; s < kMaxLatentChunksPerLane; ++s) {
-      const int k = lane + kWarpSize * s;
-      if (k < cpr) {
-        const Chunk<T> w = kVec ? *reinterpret_cast<const Chunk<T>*>(w_smem + k * kChunkElems)
-                                : load_chunk<kVec>(weight + k * kChunkElems, kChunkElems);
-#pragma unroll
-        for (int e = 0; e < kChunkElems; ++e) {
-          x[s].v[e] = num::from_float<T>(
-              num::rms_apply(num::to_float(x[s].v[e]), inv_rms, num::to_float(w.v[e])));
-        }
+    for (int j = 0; j < kPairs; ++j) {
+      const int pr = lane + kWarpSize * j;
+      if (live[u] && pr < half) {
+        r_in[u][j] = start_load_pair_packed<kVec>(k_pe, pair_first(neox, pr),
+                                                  pair_second(neox, pr, half), !neox);
       }
     }
   }
-  if (p.apply_rope) {
-#pragma unroll
-    for (int j = 0; j < kMaxRopePairsPerLane; ++j) {
-      if (lane + kWarpSize * j < half) r[j] = rotate_pair(r[j], cs[j], sn[j]);
-    }
-  }
+  if (!kKTableFirst && p.apply_rope) request_tables();
 
-  if (a.kv_c_out != nullptr) {
-    T* out = static_cast<T*>(a.kv_c_out) + t * a.stride_kv_c_out_token;
+  // After the loads are in flight: the scale's divisor (fp8 caches; unused and dropped otherwise).
+  const Divisor cache_div = make_divisor(cache_scale);
+  // Each token in turn: its rows split into elements, normalized, rotated and stored.
 #pragma unroll
-    for (int s = 0; s < kMaxLatentChunksPerLane; ++s) {
-      const int k = lane + kWarpSize * s;
-      if (k < cpr) store_chunk<kVec>(out + k * kChunkElems, x[s], kChunkElems);
+  for (int u = 0; u < kKTokens; ++u) {
+    if (!live[u]) continue;
+    const int64_t t = t0 + u;
+    Chunk<T> x[kChunks];
+#pragma unroll
+    for (int s = 0; s < kChunks; ++s) {
+      if (lane + kWarpSize * s < cpr) x[s] = finish_load_chunk<kVec, T>(x_in[u][s]);
     }
-  }
-  if (a.k_pe_out != nullptr) {
-    T* out = static_cast<T*>(a.k_pe_out) + t * a.stride_k_pe_out_token;
+    Pair<T> r[kPairs];
 #pragma unroll
-    for (int j = 0; j < kMaxRopePairsPerLane; ++j) {
+    for (int j = 0; j < kPairs; ++j) {
+      if (lane + kWarpSize * j < half) r[j] = finish_load_pair<kVec, T>(r_in[u][j]);
+    }
+    float cs[kPairs], sn[kPairs];
+    table_values(a.rope, cs_in[u], cs);
+    table_values(a.rope, sn_in[u], sn);
+    if (has_norm) {
+      // The pairwise tree of the row's squares (device_common.cuh): slot s holds chunks 32s ..
+      // 32s + 31, one subtree of 256 elements; chunks past the row enter as +0.
+      float part[kChunks];
+#pragma unroll
+      for (int s = 0; s < kChunks; ++s) {
+        part[s] = lane + kWarpSize * s < cpr ? chunk_square_sum(x[s]) : 0.0f;
+      }
+      const float inv_rms = num::rms_inv(warp_slots_sum(part), L, a.kv_norm_eps);
+      if (kVec) cp_async_wait_all();  // this lane's own weight chunks have landed
+#pragma unroll
+      for (int s = 0; s < kChunks; ++s) {
+        const int k = lane + kWarpSize * s;
+        if (k < cpr) {
+          const Chunk<T> w = kVec ? *reinterpret_cast<const Chunk<T>*>(w_smem + k * kChunkElems)
+                                  : load_chunk<kVec>(weight + k * kChunkElems, kChunkElems);
+#pragma unroll
+          for (int e = 0; e < kChunkElems; ++e) {
+            x[s].v[e] = num::from_float<T>(
+                num::rms_apply(num::to_float(x[s].v[e]), inv_rms, num::to_float(w.v[e])));
+          }
+        }
+      }
+    }
+    if (p.apply_rope) {
+#pragma unroll
+      for (int j = 0; j < kPairs; ++j) {
+        if (lane + kWarpSize * j < half) r[j] = rotate_pair(r[j], cs[j], sn[j]);
+      }
+    }
+
+    if (a.kv_c_out != nullptr) {
+      T* out = static_cast<T*>(a.kv_c_out) + t * a.stride_kv_c_out_token;
+#pragma unroll
+      for (int s = 0; s < kChunks; ++s) {
+        const int k = lane + kWarpSize * s;
+        if (k < cpr) store_chunk<kVec>(out + k * kChunkElems, x[s], kChunkElems);
+      }
+    }
+    if (a.k_pe_out != nullptr) {
+      T* out = static_cast<T*>(a.k_pe_out) + t * a.stride_k_pe_out_token;
+#pragma unroll
+      for (int j = 0; j < kPairs; ++j) {
+        const int pr = lane + kWarpSize * j;
+        if (pr < half) {
+          store_pair<kVec>(out, pair_first(neox, pr), pair_second(neox, pr, half), !neox, r[j]);
+        }
+      }
+    }
+
+    // The slot is the same on every lane: the whole warp skips or writes the entry together.
+    if (slot[u] < 0) continue;
+    if (slot[u] >= a.cache.num_slots) {
+      if (lane == 0) count_error(p.error_counts, kBadSlot);
+      continue;
+    }
+    const int64_t block = slot[u] / a.cache.block_size;
+    const EntryPtrs entry =
+        cache_entry_at<kFormat>(a.cache, block, slot[u] - block * a.cache.block_size, L);
+    Latent* latent = reinterpret_cast<Latent*>(entry.latent);
+    if constexpr (kFormat == CacheFormat::kFloat8DsMla) {
+      constexpr int kLanesPerTile = static_cast<int>(kDsMlaTileElems / kChunkElems);  // 16
+#pragma unroll
+      for (int s = 0; s < kChunks; ++s) {
+        // L = 512 (validated): 64 chunks, so s = 0, 1 hold a chunk on every lane and the shuffles
+        // see the full warp; tile k / 16 is held by an aligned group of 16 lanes.
+        if (kWarpSize * s < cpr) {
+          const int k = lane + kWarpSize * s;
+          float amax = 0.0f;
+#pragma unroll
+          for (int e = 0; e < kChunkElems; ++e)
+            amax = num::amax_update(amax, num::to_float(x[s].v[e]));
+          amax = group_max(amax, kLanesPerTile);
+          const float scale = num::ds_mla_tile_scale(amax, a.cache.ds_mla_pow2_scale);
+          store_chunk<kVec>(latent + k * kChunkElems,
+                            encode_chunk_each<Latent>(x[s], make_divisor(scale)), kChunkElems);
+          if (k % kLanesPerTile == 0) {
+            reinterpret_cast<float*>(entry.latent + kDsMlaLatentDim)[k / kLanesPerTile] = scale;
+          }
+        }
+      }
+    } else {
+#pragma unroll
+      for (int s = 0; s < kChunks; ++s) {
+        const int k = lane + kWarpSize * s;
+        if (k < cpr) {
+          store_chunk<kVec>(latent + k * kChunkElems, encode_chunk<Latent>(x[s], cache_div),
+                            kChunkElems);
+        }
+      }
+    }
+    RopeT* rope = reinterpret_cast<RopeT*>(entry.rope);
+#pragma unroll
+    for (int j = 0; j < kPairs; ++j) {
       const int pr = lane + kWarpSize * j;
       if (pr < half) {
-        store_pair<kVec>(out, pair_first(neox, pr), pair_second(neox, pr, half), !neox, r[j]);
+        store_pair<kVec>(rope, pair_first(neox, pr), pair_second(neox, pr, half), !neox,
+                         encode_pair<RopeT>(r[j], cache_div));
       }
-    }
-  }
-
-  // slot is the same on every lane: the whole warp leaves or writes together.
-  if (slot < 0) return;
-  if (slot >= a.cache.num_slots) {
-    if (lane == 0) count_error(p.error_counts, kBadSlot);
-    return;
-  }
-  const int64_t block = slot / a.cache.block_size;
-  const EntryPtrs entry =
-      cache_entry_at<kFormat>(a.cache, block, slot - block * a.cache.block_size, L);
-  Latent* latent = reinterpret_cast<Latent*>(entry.latent);
-  if constexpr (kFormat == CacheFormat::kFloat8DsMla) {
-    constexpr int kLanesPerTile = static_cast<int>(kDsMlaTileElems / kChunkElems);  // 16
-#pragma unroll
-    for (int s = 0; s < kMaxLatentChunksPerLane; ++s) {
-      // L = 512 (validated): 64 chunks, so s = 0, 1 hold a chunk on every lane and the shuffles
-      // see the full warp; tile k / 16 is held by an aligned group of 16 lanes.
-      if (kWarpSize * s < cpr) {
-        const int k = lane + kWarpSize * s;
-        float amax = 0.0f;
-#pragma unroll
-        for (int e = 0; e < kChunkElems; ++e)
-          amax = num::amax_update(amax, num::to_float(x[s].v[e]));
-        amax = group_max(amax, kLanesPerTile);
-        const float scale = num::ds_mla_tile_scale(amax, a.cache.ds_mla_pow2_scale);
-        store_chunk<kVec>(latent + k * kChunkElems,
-                          encode_chunk_each<Latent>(x[s], make_divisor(scale)), kChunkElems);
-        if (k % kLanesPerTile == 0) {
-          reinterpret_cast<float*>(entry.latent + kDsMlaLatentDim)[k / kLanesPerTile] = scale;
-        }
-      }
-    }
-  } else {
-#pragma unroll
-    for (int s = 0; s < kMaxLatentChunksPerLane; ++s) {
-      const int k = lane + kWarpSize * s;
-      if (k < cpr) {
-        store_chunk<kVec>(latent + k * kChunkElems, encode_chunk<Latent>(x[s], cache_div),
-                          kChunkElems);
-      }
-    }
-  }
-  RopeT* rope = reinterpret_cast<RopeT*>(entry.rope);
-#pragma unroll
-  for (int j = 0; j < kMaxRopePairsPerLane; ++j) {
-    const int pr = lane + kWarpSize * j;
-    if (pr < half) {
-      store_pair<kVec>(rope, pair_first(neox, pr), pair_second(neox, pr, half), !neox,
-                       encode_pair<RopeT>(r[j], cache_div));
     }
   }
 }
@@ -661,11 +701,12 @@ static_assert(kMlaMinBlocks<num::Bf16, CacheFormat::kBFloat16, num::Bf16, true> 
                   kMlaResidentWarpsPerSm,
               "kMlaResidentWarpsPerSm: the resident warps of the 16-bit vector instances");
 
-// kKTableFirst: the K items' order of large launches (k_side_item). kRopeInCopy (16-byte path,
-// q_out of the model dtype): the decode copy items also rotate their rows' rope parts
-// (p.decode_rope_in_copy, copy_item).
-template <typename T, CacheFormat kFormat, typename QOut, bool kVec, bool kKTableFirst,
-          bool kRopeInCopy>
+// kKTokens: the tokens of a K item (k_side_item; 2 in large launches of narrow shapes,
+// mla_rope_cache.h kKTwoTokensMinTokens). kKTableFirst: the K items' order of large launches
+// (k_side_item). kRopeInCopy (16-byte path, q_out of the model dtype): the decode copy items also
+// rotate their rows' rope parts (p.decode_rope_in_copy, copy_item).
+template <typename T, CacheFormat kFormat, typename QOut, bool kVec, int kKTokens,
+          bool kKTableFirst, bool kRopeInCopy>
 __global__ void __launch_bounds__(kMlaThreads, (kMlaMinBlocks<T, kFormat, QOut, kVec>))
     mla_rope_cache_kernel(const __grid_constant__ MlaRopeCacheKernelParams p) {
   // Each warp's stage: its K item's RMSNorm weight, or the chunks of its rope or copy item.
@@ -706,8 +747,8 @@ __global__ void __launch_bounds__(kMlaThreads, (kMlaMinBlocks<T, kFormat, QOut, 
   unsigned char* const my_stage = stage_bytes[warp];
   Chunk<T>* const stage = reinterpret_cast<Chunk<T>*>(my_stage);
   if (i < p.num_k_items) {
-    mla_detail::k_side_item<T, kFormat, kVec, kKTableFirst>(
-        p, i, lane, reinterpret_cast<T*>(my_stage), cache_scale);
+    mla_detail::k_side_item<T, kFormat, kVec, kKTokens, kKTableFirst>(
+        p, i * kKTokens, lane, reinterpret_cast<T*>(my_stage), cache_scale);
     return;
   }
   i -= p.num_k_items;
@@ -747,29 +788,48 @@ void launch_mla_rope_cache_kernel(const MlaRopeCacheKernelParams& params, const 
   // Each choice is its own kernel, so that the others keep their registers and schedule. The rope
   // parts in the copy items (mla_rope_cache.h kRopeInCopyMinTokens) are compiled for the 16-byte
   // path with q_out of the model dtype only (an fp8 q_out was measured slower with them).
-  auto go = [&](auto table_first_tag) {
+  auto go = [&](auto k_tokens_tag, auto table_first_tag) {
+    constexpr int kKTokens = decltype(k_tokens_tag)::value;
     constexpr bool kTableFirst = decltype(table_first_tag)::value;
     if constexpr (kVec && std::is_same_v<QOut, T>) {
       if (params.decode_rope_in_copy) {
         launch_kernel("mla_rope_cache_kernel",
-                      mla_rope_cache_kernel<T, kFormat, QOut, kVec, kTableFirst, true>,
+                      mla_rope_cache_kernel<T, kFormat, QOut, kVec, kKTokens, kTableFirst, true>,
                       static_cast<unsigned>(grid), kMlaThreads, 0, launch, params);
         return;
       }
     }
     launch_kernel("mla_rope_cache_kernel",
-                  mla_rope_cache_kernel<T, kFormat, QOut, kVec, kTableFirst, false>,
+                  mla_rope_cache_kernel<T, kFormat, QOut, kVec, kKTokens, kTableFirst, false>,
                   static_cast<unsigned>(grid), kMlaThreads, 0, launch, params);
   };
   // The K items' table-first order (mla_rope_cache.h kKTableFirstMinTokens) is compiled for the
-  // 16-byte path with q_out of the model dtype or no q_out only (the workloads it was measured on).
-  if constexpr (kVec && std::is_same_v<QOut, T>) {
-    if (params.apply_rope && params.num_k_items >= kKTableFirstMinTokens) {
-      go(std::true_type{});
+  // 16-byte path with q_out of the model dtype or no q_out only (the workloads it was measured on),
+  // and K items of two tokens (make_params, kKTwoTokensMinTokens) for its 16-bit models only.
+  constexpr bool kTableFirstCompiled = kVec && std::is_same_v<QOut, T>;
+  const bool table_first = kTableFirstCompiled && params.apply_rope && params.num_k_items > 0 &&
+                           params.args.num_tokens >= kKTableFirstMinTokens;
+  // num_k_items counts items of two tokens: only their instance may run them.
+  MLAKV_CHECK(!params.k_two_tokens || (table_first && sizeof(T) == 2 &&
+                                       params.args.kv_lora_rank <= kKTwoTokensMaxLatent &&
+                                       params.args.rope_dim <= kKTwoTokensMaxRope),
+              "mla_rope_cache: K items of two tokens are compiled for the table-first order of "
+              "16-bit models with L <= ",
+              kKTwoTokensMaxLatent, " and R <= ", kKTwoTokensMaxRope);
+  using OneToken = std::integral_constant<int, 1>;
+  if constexpr (kTableFirstCompiled) {
+    if (table_first) {
+      if constexpr (sizeof(T) == 2) {
+        if (params.k_two_tokens) {
+          go(std::integral_constant<int, 2>{}, std::true_type{});
+          return;
+        }
+      }
+      go(OneToken{}, std::true_type{});
       return;
     }
   }
-  go(std::false_type{});
+  go(OneToken{}, std::false_type{});
 }
 
 }  // namespace cuda
