@@ -422,7 +422,7 @@ std::vector<FusedSpec> large_launch_specs() {
   return std::move(add).specs();
 }
 
-// K items of two tokens (CUDA: from kKTwoTokensMinTokens = 4096 tokens, in the table-first order
+// K items of two tokens (CUDA: from kKTwoTokensMinTokens = 1792 tokens, in the table-first order
 // with a 16-bit model, L <= 512 and R <= 128): T odd and even (the last item's second token past
 // the launch or not), bad slots and bad positions on an item's first token and on its second,
 // padding, every optional output, RMSNorm into the bf16, e4m3 and fp8_ds_mla caches, tensors of

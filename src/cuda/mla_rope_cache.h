@@ -39,12 +39,13 @@ constexpr int64_t kKTableFirstMinTokens = 1280;
 // with every load of both in flight together. A K item waits for two round trips (slot and
 // position, then the cos/sin row) and moves only its token's 2.3 KB (DeepSeek-V3), so at a
 // tensor-parallel shard's head counts, where the K side is a third of the bytes, a warp had too
-// little in flight. docs/perf-notes.md: two tokens an item were 7-9 % faster than one with the
-// same code on the K-heavy rows at 16 heads from T = 4096 on, and slower at T = 1280, where a
-// launch of a wave or two waits for its longest chain (thirty-sixth session, runs 149-150); this
-// form was 4-6 % faster than one token on those rows, 1-2 % at 128 heads, and equal below 4096
-// (H100, run 151).
-constexpr int64_t kKTwoTokensMinTokens = 4096;
+// little in flight. docs/perf-notes.md, thirty-eighth session (H100): on the K-heavy rows at 16
+// heads (prefill, decode with the nope part in q_out), two tokens were 4-6 % faster than one from
+// T = 4096 on (run 151); with the threshold moved (runs 152-153), 8-10 % faster at T = 1792 and
+// 2048, 4-5 % at 3584, up to 1 % slower at 2560 and 3072 (where decode with RMSNorm was 1-4 %
+// faster), and up to 2 % slower at 1280 and 1536. At 128 heads: within 0.5 % at 1280-2048, 1-2 %
+// faster from 3072 on.
+constexpr int64_t kKTwoTokensMinTokens = 1792;
 constexpr int64_t kKTwoTokensMaxLatent = 512;
 constexpr int64_t kKTwoTokensMaxRope = 128;
 static_assert(kKTwoTokensMinTokens >= kKTableFirstMinTokens,
