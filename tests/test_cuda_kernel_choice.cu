@@ -277,7 +277,7 @@ void expect_fused_vector_instance(const std::vector<std::string>& names) {
 TEST_F(CudaFusedKernelChoice, KItemsOfTwoTokensFromTheThreshold) {
   constexpr int64_t kMin = cuda::kKTwoTokensMinTokens;
   static_assert(kMin >= cuda::kKTableFirstMinTokens);
-  static_assert(kMin <= 4096, "the TwoTokenK specs (test_fused.cpp) take T = 4096-4099");
+  static_assert(kMin == 1792, "the TwoTokenK specs (test_fused.cpp) take T = 1792-1795");
   static_assert(cuda::kKTwoTokensMaxLatent == 512 && cuda::kKTwoTokensMaxRope == 128,
                 "the widths below are the limits");
   struct Case {

@@ -433,25 +433,27 @@ std::vector<FusedSpec> large_launch_specs() {
 // that keep one token: L = 1024, R = 136, an e4m3 q_out.
 std::vector<FusedSpec> two_token_k_specs() {
   SpecAdder add(700);
+  // kKTwoTokensMinTokens (cuda/mla_rope_cache.h), which test_cuda_kernel_choice.cu asserts.
+  constexpr int64_t kMin = 1792;
   constexpr ModelShape kR128{"l512r128", 2, 512, 128, 128};
   constexpr ModelShape kL208{"l208r16", 2, 208, 16, 64};
   constexpr ModelShape kL256{"l256r32", 2, 256, 32, 64};
   constexpr ModelShape kL1024{"l1024", 2, 1024, 64, 128};
   constexpr ModelShape kR136{"l512r136", 2, 512, 136, 128};
   for (const FormatCase& f : {kFormats[0], kFormats[3], kFormats[6]}) {
-    for (const int64_t T : {int64_t{4096}, int64_t{4099}}) {
-      FusedSpec s = base(kDeepSeekV3H2, f, T, 1500);
+    for (const int64_t T : {kMin, kMin + 3}) {
+      FusedSpec s = base(kDeepSeekV3H2, f, T, 700);
       s.norm = true;
       s.k_pe_out = s.kv_c_out = true;
       s.padding_every = 5;
       s.bad_slots = 3;
-      s.bad_slot_start = T % 2 == 0 ? 0 : 1;  // first tokens at T = 4096, second at 4099
-      s.bad_positions = 3;  // from T - 1: second tokens at T = 4096, first at 4099
+      s.bad_slot_start = T % 2 == 0 ? 0 : 1;  // first tokens at T = kMin, second at kMin + 3
+      s.bad_positions = 3;  // from T - 1: second tokens at T = kMin, first at kMin + 3
       s.zero_tiles = f.format == CacheFormat::kFloat8DsMla ? 5 : 0;
       add(s, "twotok");
     }
   }
-  FusedSpec s = base(kR128, kFormats[0], 4097, 2000);
+  FusedSpec s = base(kR128, kFormats[0], kMin + 1, 900);
   s.style = RopeStyle::kNeox;
   s.k_pe_out = true;
   s.bad_positions = 2;
@@ -460,43 +462,43 @@ std::vector<FusedSpec> two_token_k_specs() {
   s.outs_in_place = s.kv_c_out = true;
   s.norm = true;
   add(s, "twotok_inplace");
-  s = base(kL208, kFormats[0], 4098, 1000);
+  s = base(kL208, kFormats[0], kMin + 2, 500);
   s.norm = true;
   s.kv_c_out = s.k_pe_out = true;
   s.index32 = true;
   s.table_dtype = DType::kBFloat16;
   s.bad_slots = 1;
-  s.bad_slot_start = 4096;  // the first token of the last item, whose second is T - 1
+  s.bad_slot_start = kMin;  // the first token of the last item, whose second is T - 1
   add(s, "twotok_l208");
   // Tensors of exactly T rows: the item past the last token reads nothing (under memcheck).
-  s = base(kDeepSeekV3H2, kFormats[0], 4097, 2000);
+  s = base(kDeepSeekV3H2, kFormats[0], kMin + 1, 900);
   s.extra_rows = 0;
   s.k_pe_out = s.kv_c_out = true;
   s.norm = true;
   add(s, "twotok_exact_rows");
-  s = base(kL256, kFormats[5], 4099, 4099);
+  s = base(kL256, kFormats[5], kMin + 3, kMin + 3);
   s.model = DType::kFloat16;
   s.norm = true;
   s.kv_c_out = true;
   add(s, "twotok_fp16");
-  s = base(kDeepSeekV3H2, kFormats[7], 4097, 1234);
+  s = base(kDeepSeekV3H2, kFormats[7], kMin + 1, 617);
   s.device_td = true;
-  s.device_td_value = 1234;
+  s.device_td_value = 617;
   s.prefill_out = true;
   s.norm = true;
   add(s, "twotok_devtd");
-  s = base(kDeepSeekV3H2, kFormats[0], 4096, 4096);
+  s = base(kDeepSeekV3H2, kFormats[0], kMin, kMin);
   s.entry = Entry::kDecode;
   s.prefill_q = false;
   s.bad_positions = 1;
   add(s, "twotok_decode");
   for (const ModelShape& one : {kL1024, kR136}) {
-    s = base(one, kFormats[0], 4097, 100);
+    s = base(one, kFormats[0], kMin + 1, 100);
     s.norm = true;
     s.k_pe_out = true;
     add(s, "onetok");
   }
-  s = base(kDeepSeekV3H2, kFormats[3], 4097, 4097);
+  s = base(kDeepSeekV3H2, kFormats[3], kMin + 1, kMin + 1);
   s.q_out_dtype = DType::kFloat8E4M3;
   s.q_scale = 0.05f;
   s.norm = true;
