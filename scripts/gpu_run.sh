@@ -18,7 +18,8 @@
 #   JOBS             build parallelism (default 16)
 #   SANITIZE_FILTER  gtest filter of the sanitizer runs (default: the CUDA-parameterized tests)
 #   STAGE_TIMEOUT    seconds per stage command before it is killed (default 540)
-#   SANITIZE_TIMEOUT the same for each sanitizer run (default STAGE_TIMEOUT)
+#   SANITIZE_TIMEOUT the same for the sanitizer runs (default STAGE_TIMEOUT)
+#   SANITIZE_SHARDS  gtest shards a sanitizer tool runs in parallel (default 6; both tools at once)
 #   BENCH_HEADS      query-head counts at which the bench stage also times the mla_rope_cache
 #                    workloads, after the default table at 128 (default 16: DeepSeek-V3 at
 #                    tensor parallelism 8; empty: none); bench_h<H>.txt / .json
@@ -49,6 +50,7 @@ JOBS=${JOBS:-16}
 # CudaRefusals* provoke CUDA API errors on purpose, which memcheck reports as errors.
 SANITIZE_FILTER=${SANITIZE_FILTER:-*cuda*:*Cuda*:*CUDA*:-CudaPdlProducer.*:CudaRefusals*}
 STAGE_TIMEOUT=${STAGE_TIMEOUT:-540}
+SANITIZE_SHARDS=${SANITIZE_SHARDS:-6}
 WERROR=${WERROR:-OFF}
 if [[ $(realpath -m "$LOGS") == $(realpath -m "$OUT") ]]; then
   echo "LOGS must be a folder of its own (it is emptied first), not OUT" >&2
@@ -152,12 +154,32 @@ stage_test() {
 
 stage_sanitize() {
   local tool rc=0 STAGE_TIMEOUT=${SANITIZE_TIMEOUT:-$STAGE_TIMEOUT}
+  # Both tools at once, each over SANITIZE_SHARDS gtest shards in parallel (one GPU serves them
+  # all; the sanitizers' time is mostly host-side). <tool>.log holds the shards' logs in order.
+  run_logged "compute-sanitizer memcheck + racecheck, $SANITIZE_SHARDS shards each" \
+    "$LOGS/sanitize.log" bash -c '
+      n=$1 bin=$2 logs=$3 filter=$4
+      for tool in memcheck racecheck; do
+        for ((i = 0; i < n; i++)); do
+          GTEST_TOTAL_SHARDS=$n GTEST_SHARD_INDEX=$i OMP_NUM_THREADS=1 \
+            compute-sanitizer --tool "$tool" --error-exitcode 1 --print-limit 20 \
+            "$bin" --gtest_filter="$filter" --gtest_brief=1 >"$logs/$tool.$i.log" 2>&1 &
+        done
+      done
+      rc=0
+      for job in $(jobs -p); do wait "$job" || rc=1; done
+      for tool in memcheck racecheck; do
+        for ((i = 0; i < n; i++)); do cat "$logs/$tool.$i.log"; done >"$logs/$tool.log"
+        rm -f "$logs/$tool".[0-9]*.log
+      done
+      exit $rc' _ "$SANITIZE_SHARDS" "$BUILD_DIR/mlakv_tests" "$LOGS" "$SANITIZE_FILTER" || rc=1
   for tool in memcheck racecheck; do
-    run_logged "compute-sanitizer $tool" "$LOGS/$tool.log" \
-      compute-sanitizer --tool "$tool" --error-exitcode 1 --print-limit 20 \
-      "$BUILD_DIR/mlakv_tests" --gtest_filter="$SANITIZE_FILTER" --gtest_brief=1 || rc=1
-    grep -E "ERROR SUMMARY|RACECHECK SUMMARY|tests? (ran|PASSED|FAILED)|\[  (PASSED|FAILED)" \
-      "$LOGS/$tool.log" | tail -4 | tee -a "$SUMMARY"
+    note "  $tool: $(grep -hE '^\[==========\] [0-9]+ tests? from' "$LOGS/$tool.log" |
+      awk '{n += $2} END {print n + 0}')" \
+      "tests in $SANITIZE_SHARDS shards;" \
+      "$(grep -hE 'ERROR SUMMARY|RACECHECK SUMMARY' "$LOGS/$tool.log" | sort | uniq -c | tr -s ' ' |
+        paste -sd ';' -)"
+    grep -hE '^\[  FAILED  \] [A-Za-z]' "$LOGS/$tool.log" | head -10 | tee -a "$SUMMARY"
   done
   # `mlakv check`'s random layouts, indices and shapes (every op) under memcheck, a few seeds.
   run_logged "compute-sanitizer memcheck: mlakv check" "$LOGS/memcheck_check.log" \
