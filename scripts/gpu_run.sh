@@ -133,7 +133,12 @@ stage_test() {
       cat "$2"/shard*.log
       exit $rc' _ "$BUILD_DIR" "$LOGS"
     local rc=$?
-    grep -E "tests? ran|PASSED|FAILED" "$LOGS/ctest.log" | head -30 | tee -a "$SUMMARY"
+    note "  $(awk '/^\[==========\] [0-9]+ tests? from/ {r += $2}
+      /^\[  PASSED  \] [0-9]/ {p += $4} /^\[  SKIPPED \] [0-9]/ {s += $4}
+      /^\[  FAILED  \] [0-9]/ {f += $4}
+      END {printf "%d ran: %d passed, %d skipped, %d failed (8 shards)", r, p, s, f}' \
+      "$LOGS/ctest.log")"
+    grep -E "^\[  FAILED  \] [A-Za-z]" "$LOGS/ctest.log" | head -20 | tee -a "$SUMMARY"
     if [[ -f $BUILD_DIR/mlakv_faulty ]]; then  # ctest's cli.fault.cuda
       run_logged cuda_faults "$LOGS/cuda_faults.log" \
         sh tests/cli/cuda_faults.sh "$BUILD_DIR/mlakv_faulty"
