@@ -44,7 +44,8 @@ constexpr int64_t kKTableFirstMinTokens = 1280;
 // T = 4096 on (run 151); with the threshold moved (runs 152-153), 8-10 % faster at T = 1792 and
 // 2048, 4-5 % at 3584, up to 1 % slower at 2560 and 3072 (where decode with RMSNorm was 1-4 %
 // faster), and up to 2 % slower at 1280 and 1536. At 128 heads: within 0.5 % at 1280-2048, 1-2 %
-// faster from 3072 on.
+// faster from 3072 on. On the H200 (thirty-ninth session, run 159, 128 heads): prefill T =
+// 4096-16384 2-3 % faster than the last table before two tokens (run 135).
 constexpr int64_t kKTwoTokensMinTokens = 1792;
 constexpr int64_t kKTwoTokensMaxLatent = 512;
 constexpr int64_t kKTwoTokensMaxRope = 128;
