@@ -263,12 +263,18 @@ std::vector<std::string> fused_arguments(const std::string& name) {
   return args;
 }
 
-// `names` (one launch's kernels) is the fused kernel alone, in its 16-byte instance (kVec).
-void expect_fused_vector_instance(const std::vector<std::string>& names) {
+// `names` (one launch's kernels) is the fused kernel alone: its template arguments into *args.
+void fused_kernel_arguments(const std::vector<std::string>& names, std::vector<std::string>* args) {
   ASSERT_EQ(names.size(), 1u) << "expected one kernel, the fused one";
-  const std::vector<std::string> args = fused_arguments(names[0]);
-  ASSERT_EQ(args.size(), 7u) << names[0];
-  EXPECT_EQ(args[3], "true") << names[0];
+  *args = fused_arguments(names[0]);
+  ASSERT_EQ(args->size(), 7u) << names[0];
+}
+
+// `names` is the fused kernel alone, in its 16-byte instance (kVec) or not.
+void expect_fused_instance(const std::vector<std::string>& names, const char* vec) {
+  std::vector<std::string> args;
+  ASSERT_NO_FATAL_FAILURE(fused_kernel_arguments(names, &args));
+  EXPECT_EQ(args[3], vec) << names[0];
 }
 
 // K items of two tokens (cuda/mla_rope_cache.h kKTwoTokensMinTokens): from that many tokens on, in
@@ -312,9 +318,8 @@ TEST_F(CudaFusedKernelChoice, KItemsOfTwoTokensFromTheThreshold) {
   cases.push_back({s, "1", "false"});
   auto expect_args = [](const std::vector<std::string>& names, const char* tokens,
                         const char* table_first) {
-    ASSERT_EQ(names.size(), 1u) << "expected one kernel, the fused one";
-    const std::vector<std::string> args = fused_arguments(names[0]);
-    ASSERT_EQ(args.size(), 7u) << names[0];
+    std::vector<std::string> args;
+    ASSERT_NO_FATAL_FAILURE(fused_kernel_arguments(names, &args));
     EXPECT_EQ(args[4], tokens) << names[0];
     EXPECT_EQ(args[5], table_first) << names[0];
   };
@@ -357,7 +362,7 @@ TEST_F(CudaFusedKernelChoice, UnusedCacheStrideKeepsTheVectorPath) {
       SCOPED_TRACE("unused stride " + std::to_string(junk));
       spec.cache.unused_stride_bytes = junk;
       const std::vector<std::string> names = kernels_of(spec);
-      ASSERT_NO_FATAL_FAILURE(expect_fused_vector_instance(names));
+      ASSERT_NO_FATAL_FAILURE(expect_fused_instance(names, "true"));
     }
   }
 }
@@ -387,7 +392,7 @@ TEST_F(CudaFusedKernelChoice, UnusedTensorStridesKeepTheVectorPath) {
           junk != 0 ? with_unused_strides(problem.params(false), junk) : problem.params(false);
       const std::vector<std::string> names =
           kernels_of([&](const Context& ctx) { mla_rope_cache(p, ctx); });
-      ASSERT_NO_FATAL_FAILURE(expect_fused_vector_instance(names));
+      ASSERT_NO_FATAL_FAILURE(expect_fused_instance(names, "true"));
     }
   }
 }
@@ -420,10 +425,7 @@ TEST_F(CudaFusedKernelChoice, UnalignedRowsTakeTheElementWisePath) {
   };
   for (const auto& [op, names] : launches) {
     SCOPED_TRACE(op);
-    ASSERT_EQ(names.size(), 1u) << "expected one kernel, the fused one";
-    const std::vector<std::string> args = fused_arguments(names[0]);
-    ASSERT_EQ(args.size(), 7u) << names[0];
-    EXPECT_EQ(args[3], "false") << names[0];
+    ASSERT_NO_FATAL_FAILURE(expect_fused_instance(names, "false"));
   }
 }
 
