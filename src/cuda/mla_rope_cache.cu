@@ -163,6 +163,9 @@ MlaRopeCacheKernelParams make_params(const core::MlaRopeCacheArgs& a, bool apply
     const int64_t hps = 32 / cph;
     // A rope item also waits for its position and cos/sin row: counted as 4x the work of its
     // bytes, and at least 2 slots (measured: 2-4 slots fastest at T <= 128, 8 at T >= 2048).
+    // One token an item even where a token's heads fill fewer slots (H <= 16): items of two
+    // tokens in the two-token instance were 5-10 % faster at T = 16384 but 9-14 % slower at
+    // T = 1792-4096, and their code cost the 128-head rows 3-5 % (run 165, docs/perf-notes.md).
     const int64_t slots = std::clamp<int64_t>(
         std::min(std::max<int64_t>(2, slots_for(4 * rope_tokens * H * cph, item_slots,
                                                 rope_fill_warps(wave_warps))),
