@@ -85,19 +85,29 @@ class CudaKernelChoice : public testing::Test {
   cudaStream_t stream_ = nullptr;
 };
 
-// The last two template arguments of mla_rope_cache_kernel<T, kFormat, QOut, kVec, kKTokens,
-// kKTableFirst, kRopeInCopy>, as the demangled name spells them ("true, false"), or "" if `name` is
-// not that kernel.
-std::string fused_flags(const std::string& name) {
+// The template arguments of mla_rope_cache_kernel<...> as the demangled name spells them, split at
+// ", " (T, kFormat, QOut, kVec, kKTokens, kKTableFirst, kRopeInCopy), or empty if `name` is not
+// that kernel.
+std::vector<std::string> fused_arguments(const std::string& name) {
   const std::string kernel = "mla_rope_cache_kernel<";
   const size_t begin = name.find(kernel);
   const size_t end = name.find(">(");
-  if (begin == std::string::npos || end == std::string::npos || end < begin) return "";
-  const size_t last = name.rfind(", ", end);
-  if (last == std::string::npos || last < begin) return "";
-  const size_t first = name.rfind(", ", last - 1);
-  if (first == std::string::npos || first < begin) return "";
-  return name.substr(first + 2, end - first - 2);
+  std::vector<std::string> args;
+  if (begin == std::string::npos || end == std::string::npos || end < begin) return args;
+  size_t from = begin + kernel.size();
+  while (from <= end) {
+    const size_t comma = std::min(name.find(", ", from), end);
+    args.push_back(name.substr(from, comma - from));
+    from = comma + 2;
+  }
+  return args;
+}
+
+// The last two template arguments of the fused kernel (kKTableFirst, kRopeInCopy), as the
+// demangled name spells them ("true, false"), or "" if `name` is not that kernel.
+std::string fused_flags(const std::string& name) {
+  const std::vector<std::string> args = fused_arguments(name);
+  return args.size() == 7 ? args[5] + ", " + args[6] : "";
 }
 
 // kDeepSeekV3H2 (the K items are what the order changes), a bf16 model and cache.
@@ -243,24 +253,6 @@ TEST_F(CudaFusedKernelChoice, DecodeQConcatPartsInPlace) {
     ASSERT_EQ(names.size(), c.kernels);
     if (c.kernels == 1) EXPECT_EQ(fused_flags(names[0]), "false, false") << names[0];
   }
-}
-
-// The template arguments of mla_rope_cache_kernel<...> as the demangled name spells them, split at
-// ", " (T, kFormat, QOut, kVec, kKTokens, kKTableFirst, kRopeInCopy), or empty if `name` is not
-// that kernel.
-std::vector<std::string> fused_arguments(const std::string& name) {
-  const std::string kernel = "mla_rope_cache_kernel<";
-  const size_t begin = name.find(kernel);
-  const size_t end = name.find(">(");
-  std::vector<std::string> args;
-  if (begin == std::string::npos || end == std::string::npos || end < begin) return args;
-  size_t from = begin + kernel.size();
-  while (from <= end) {
-    const size_t comma = std::min(name.find(", ", from), end);
-    args.push_back(name.substr(from, comma - from));
-    from = comma + 2;
-  }
-  return args;
 }
 
 // `names` (one launch's kernels) is the fused kernel alone: its template arguments into *args.
