@@ -84,6 +84,31 @@ run_logged() {
   return $rc
 }
 
+# gtest_shards N PREFIX COMMAND...: a gtest binary (COMMAND, with its flags) in N shards at once,
+# shard i's output in PREFIX.i.log, then all of them in order on stdout; fails if a shard does.
+gtest_shards() {
+  local n=$1 prefix=$2 i pid rc=0 pids=()
+  shift 2
+  for ((i = 0; i < n; i++)); do
+    GTEST_TOTAL_SHARDS=$n GTEST_SHARD_INDEX=$i "$@" >"$prefix.$i.log" 2>&1 &
+    pids+=($!)
+  done
+  # By pid, not `jobs -p`: that no longer lists a shard which has already ended.
+  for pid in "${pids[@]}"; do wait "$pid" || rc=1; done
+  for ((i = 0; i < n; i++)); do cat "$prefix.$i.log"; done
+  rm -f "$prefix".[0-9]*.log
+  return $rc
+}
+export -f gtest_shards
+
+# gtest_sum LOG: "R ran: P passed, S skipped, F failed" over every gtest summary in LOG (shards).
+gtest_sum() {
+  awk '/^\[==========\] [0-9]+ tests? from/ {r += $2}
+    /^\[  PASSED  \] [0-9]/ {p += $4} /^\[  SKIPPED \] [0-9]/ {s += $4}
+    /^\[  FAILED  \] [0-9]/ {f += $4}
+    END {printf "%d ran: %d passed, %d skipped, %d failed", r, p, s, f}' "$1"
+}
+
 stage_build_prebuilt() {
   note "[build] prebuilt binaries from $PREBUILT"
   mkdir -p "$BUILD_DIR"
@@ -122,22 +147,12 @@ stage_build() {
 }
 
 stage_test() {
-  if [[ ! -f $BUILD_DIR/CTestTestfile.cmake ]]; then  # prebuilt: the test binary, in 8 shards
-    run_logged mlakv_tests "$LOGS/ctest.log" bash -c '
-      for i in 0 1 2 3 4 5 6 7; do
-        GTEST_TOTAL_SHARDS=8 GTEST_SHARD_INDEX=$i OMP_NUM_THREADS=2 \
-          "$1/mlakv_tests" --gtest_brief=1 >"$2/shard$i.log" 2>&1 &
-      done
-      rc=0
-      for job in $(jobs -p); do wait "$job" || rc=1; done
-      cat "$2"/shard*.log
-      exit $rc' _ "$BUILD_DIR" "$LOGS"
+  if [[ ! -f $BUILD_DIR/CTestTestfile.cmake ]]; then  # prebuilt: the test binary, in shards
+    local shards=8
+    run_logged mlakv_tests "$LOGS/ctest.log" bash -c 'gtest_shards "$@"' _ "$shards" \
+      "$LOGS/shard" env OMP_NUM_THREADS=2 "$BUILD_DIR/mlakv_tests" --gtest_brief=1
     local rc=$?
-    note "  $(awk '/^\[==========\] [0-9]+ tests? from/ {r += $2}
-      /^\[  PASSED  \] [0-9]/ {p += $4} /^\[  SKIPPED \] [0-9]/ {s += $4}
-      /^\[  FAILED  \] [0-9]/ {f += $4}
-      END {printf "%d ran: %d passed, %d skipped, %d failed (8 shards)", r, p, s, f}' \
-      "$LOGS/ctest.log")"
+    note "  $(gtest_sum "$LOGS/ctest.log") ($shards shards)"
     grep -E "^\[  FAILED  \] [A-Za-z]" "$LOGS/ctest.log" | head -20 | tee -a "$SUMMARY"
     if [[ -f $BUILD_DIR/mlakv_faulty ]]; then  # ctest's cli.fault.cuda
       run_logged cuda_faults "$LOGS/cuda_faults.log" \
@@ -163,20 +178,15 @@ stage_sanitize() {
   # all; the sanitizers' time is mostly host-side). <tool>.log holds the shards' logs in order.
   run_logged "compute-sanitizer memcheck + racecheck, $SANITIZE_SHARDS shards each" \
     "$LOGS/sanitize.log" bash -c '
-      n=$1 bin=$2 logs=$3 filter=$4
+      n=$1 bin=$2 logs=$3 filter=$4 pids=()
       for tool in memcheck racecheck; do
-        for ((i = 0; i < n; i++)); do
-          GTEST_TOTAL_SHARDS=$n GTEST_SHARD_INDEX=$i OMP_NUM_THREADS=1 \
-            compute-sanitizer --tool "$tool" --error-exitcode 1 --print-limit 20 \
-            "$bin" --gtest_filter="$filter" --gtest_brief=1 >"$logs/$tool.$i.log" 2>&1 &
-        done
+        gtest_shards "$n" "$logs/$tool" env OMP_NUM_THREADS=1 \
+          compute-sanitizer --tool "$tool" --error-exitcode 1 --print-limit 20 \
+          "$bin" --gtest_filter="$filter" --gtest_brief=1 >"$logs/$tool.log" &
+        pids+=($!)
       done
       rc=0
-      for job in $(jobs -p); do wait "$job" || rc=1; done
-      for tool in memcheck racecheck; do
-        for ((i = 0; i < n; i++)); do cat "$logs/$tool.$i.log"; done >"$logs/$tool.log"
-        rm -f "$logs/$tool".[0-9]*.log
-      done
+      for pid in "${pids[@]}"; do wait "$pid" || rc=1; done
       exit $rc' _ "$SANITIZE_SHARDS" "$BUILD_DIR/mlakv_tests" "$LOGS" "$SANITIZE_FILTER" || rc=1
   for tool in memcheck racecheck; do
     note "  $tool: $(grep -hE '^\[==========\] [0-9]+ tests? from' "$LOGS/$tool.log" |
