@@ -189,9 +189,7 @@ stage_sanitize() {
       for pid in "${pids[@]}"; do wait "$pid" || rc=1; done
       exit $rc' _ "$SANITIZE_SHARDS" "$BUILD_DIR/mlakv_tests" "$LOGS" "$SANITIZE_FILTER" || rc=1
   for tool in memcheck racecheck; do
-    note "  $tool: $(grep -hE '^\[==========\] [0-9]+ tests? from' "$LOGS/$tool.log" |
-      awk '{n += $2} END {print n + 0}')" \
-      "tests in $SANITIZE_SHARDS shards;" \
+    note "  $tool: $(gtest_sum "$LOGS/$tool.log") ($SANITIZE_SHARDS shards);" \
       "$(grep -hE 'ERROR SUMMARY|RACECHECK SUMMARY' "$LOGS/$tool.log" | sort | uniq -c | tr -s ' ' |
         paste -sd ';' -)"
     grep -hE '^\[  FAILED  \] [A-Za-z]' "$LOGS/$tool.log" | head -10 | tee -a "$SUMMARY"
