@@ -239,13 +239,14 @@ int rotation_sets(const Timer& timer, int64_t bytes) {
 // The buffers, params and ops of one mla_rope_cache (workload, T) row.
 class Row : public BenchRow {
  public:
-  Row(const Workload& w, int64_t T, int64_t H, Timer& timer, const Buffer& table,
-      const Buffer& cache_scale, const Buffer& q_scale, const Buffer& error_counts,
-      int workload_index)
+  Row(const Workload& w, int64_t T, int64_t H, bool shared_indices, Timer& timer,
+      const Buffer& table, const Buffer& cache_scale, const Buffer& q_scale,
+      const Buffer& error_counts, int workload_index)
       : w_(w),
         T_(T),
         Td_(cli::decode_tokens(w.kind, T)),
         H_(H),
+        shared_indices_(shared_indices),
         device_(timer.device()),
         timer_(timer),
         table_(table),
@@ -254,11 +255,15 @@ class Row : public BenchRow {
         error_counts_(error_counts) {
     bytes_ = fused_bytes(w, T, H);
     num_sets_ = rotation_sets(timer, bytes_);
-    // Scattered slots over a cache twice as large as all sets' tokens together.
-    const int64_t min_slots = std::max<int64_t>(2 * T * num_sets_, 4 * kBlockSize);
+    // Scattered slots over a cache twice as large as the tokens that write it: every set's tokens
+    // into one cache, or, where the sets share their slots (shared_indices_), each set's tokens
+    // into a cache of its own, as each layer of a step has its own.
+    const int64_t writers = shared_indices_ ? T : T * num_sets_;
+    const int64_t min_slots = std::max<int64_t>(2 * writers, 4 * kBlockSize);
     num_blocks_ = (min_slots + kBlockSize - 1) / kBlockSize;
-    cache_ = Buffer(
-        device_, static_cast<size_t>(cache_bytes(w.cache_format, num_blocks_, kBlockSize, kL, kR)));
+    const int64_t one_cache = cache_bytes(w.cache_format, num_blocks_, kBlockSize, kL, kR);
+    cache_set_stride_ = shared_indices_ ? static_cast<size_t>(one_cache) : 0;
+    cache_ = Buffer(device_, static_cast<size_t>(one_cache) * (shared_indices_ ? num_sets_ : 1));
     cache_.fill_byte(0);
     if (w.kv_norm) {
       // The RMSNorm weight (shared by every set) and the unfused path's normalized kv_c.
@@ -271,12 +276,14 @@ class Row : public BenchRow {
     Rng slot_rng(0x5eed0000u + 7919u * static_cast<uint64_t>(workload_index) +
                  static_cast<uint64_t>(T));
     const std::vector<int64_t> all_slots =
-        random_distinct_slots(T * num_sets_, num_blocks_ * kBlockSize, slot_rng);
+        random_distinct_slots(writers, num_blocks_ * kBlockSize, slot_rng);
     for (int s = 0; s < num_sets_; ++s) {
       Rng rng(0xbe4c0000u + 1000003u * static_cast<uint64_t>(workload_index) +
               31u * static_cast<uint64_t>(T) + static_cast<uint64_t>(s));
-      std::vector<int64_t> slots(all_slots.begin() + s * T, all_slots.begin() + (s + 1) * T);
-      sets_.push_back(make_set(rng, slots, /*keep_host=*/s == 0));
+      const int64_t first = shared_indices_ ? 0 : s * T;
+      std::vector<int64_t> slots(all_slots.begin() + first, all_slots.begin() + first + T);
+      sets_.push_back(make_set(rng, slots, /*keep_host=*/s == 0,
+                               /*own_indices=*/s == 0 || !shared_indices_));
     }
   }
 
@@ -285,7 +292,7 @@ class Row : public BenchRow {
   int64_t decode_tokens() const override { return Td_; }
 
   Op fused_op(int s) const override {
-    const MlaRopeCacheParams params = fused_params(sets_[s]);
+    const MlaRopeCacheParams params = fused_params(s);
     int32_t* counts = error_counts_.as<int32_t>();
     const Timer* timer = &timer_;
     return [params, counts, timer](void* stream) {
@@ -302,7 +309,7 @@ class Row : public BenchRow {
     const InputSet& in = sets_[s];
     RotaryEmbeddingParams rope;
     rope.num_tokens = T_;
-    rope.positions = make_view(in.positions.data(), DType::kInt64, {T_}, device_);
+    rope.positions = index_view(indices_of(s).positions);
     rope.query = w_.kind == Kind::kDecode ? make_view(in.q_pe.data(), kModel, {T_, H_, kR}, device_)
                                           : q_rope_view(in, T_);
     rope.key = make_view(in.k_pe.data(), kModel, {T_, 1, kR}, device_);
@@ -322,8 +329,8 @@ class Row : public BenchRow {
     concat.num_tokens = T_;
     concat.kv_c = w_.kv_norm ? norm.output : make_view(in.kv_c.data(), kModel, {T_, kL}, device_);
     concat.k_pe = make_view(in.k_pe.data(), kModel, {T_, kR}, device_);
-    concat.slot_mapping = make_view(in.slots.data(), DType::kInt64, {T_}, device_);
-    concat.kv_cache = cache_view();
+    concat.slot_mapping = index_view(indices_of(s).slots);
+    concat.kv_cache = cache_view(s);
 
     const bool q_concat = Td_ > 0 && !w_.nope_in_q_out;
     DecodeQConcatParams q_params;
@@ -408,7 +415,7 @@ class Row : public BenchRow {
     const float cache_scale = kFp8CacheScale;
     float q_scale = 1.0f;
     std::memcpy(&q_scale, q_scale_.download().data(), sizeof(q_scale));
-    MlaRopeCacheParams p = fused_params(in);
+    MlaRopeCacheParams p = fused_params(0);
     const Device host{DeviceType::kCPU, 0};
     auto rebase = [&](TensorView& v, void* data) {
       if (!v.present()) return;
@@ -444,7 +451,9 @@ class Row : public BenchRow {
  private:
   bool has_q() const { return w_.kind != Kind::kDecode; }
 
-  InputSet make_set(Rng& rng, const std::vector<int64_t>& slot_values, bool keep_host) {
+  // own_indices: the set gets its own positions and slot_mapping (otherwise it reads set 0's).
+  InputSet make_set(Rng& rng, const std::vector<int64_t>& slot_values, bool keep_host,
+                    bool own_indices) {
     InputSet in;
     HostInputs host;
     std::vector<int64_t> positions(static_cast<size_t>(T_));
@@ -463,8 +472,10 @@ class Row : public BenchRow {
       b = Buffer(device_, h.size());
       b.upload(h);
     };
-    upload(in.positions, host.positions);
-    upload(in.slots, host.slots);
+    if (own_indices) {
+      upload(in.positions, host.positions);
+      upload(in.slots, host.slots);
+    }
     upload(in.kv_c, host.kv_c);
     upload(in.k_pe, host.k_pe);
     if (!host.q_pe.empty()) upload(in.q_pe, host.q_pe);
@@ -494,9 +505,18 @@ class Row : public BenchRow {
     return make_view(table_.data(), DType::kFloat32, {kMaxPos, kR}, device_);
   }
 
-  KVCacheView cache_view() const {
+  // The set whose positions and slot_mapping set s reads: itself, or set 0 (shared_indices_).
+  const InputSet& indices_of(int s) const { return sets_[shared_indices_ ? 0 : s]; }
+
+  TensorView index_view(const Buffer& indices) const {
+    return make_view(indices.data(), DType::kInt64, {T_}, device_);
+  }
+
+  // The cache set s writes: the one cache, or its own (shared_indices_).
+  KVCacheView cache_view(int s) const {
     KVCacheView v =
-        make_cache_view(cache_.data(), w_.cache_format, num_blocks_, kBlockSize, kL, kR, device_);
+        make_cache_view(cache_.as<uint8_t>() + static_cast<size_t>(s) * cache_set_stride_,
+                        w_.cache_format, num_blocks_, kBlockSize, kL, kR, device_);
     if (cache_is_per_tensor_fp8(w_.cache_format)) v.scale = cache_scale_.as<float>();
     return v;
   }
@@ -514,17 +534,18 @@ class Row : public BenchRow {
     return make_view(in.q_pe.data(), kModel, {Td_, H_, kR}, device_);
   }
 
-  MlaRopeCacheParams fused_params(const InputSet& in) const {
+  MlaRopeCacheParams fused_params(int s) const {
+    const InputSet& in = sets_[s];
     MlaRopeCacheParams p;
     p.num_tokens = T_;
     p.num_decode_tokens = Td_;
-    p.positions = make_view(in.positions.data(), DType::kInt64, {T_}, device_);
-    p.slot_mapping = make_view(in.slots.data(), DType::kInt64, {T_}, device_);
+    p.positions = index_view(indices_of(s).positions);
+    p.slot_mapping = index_view(indices_of(s).slots);
     p.cos_sin_cache = table_view();
     p.rope_style = RopeStyle::kGptJ;
     p.kv_c = make_view(in.kv_c.data(), kModel, {T_, kL}, device_);
     p.k_pe = make_view(in.k_pe.data(), kModel, {T_, kR}, device_);
-    p.kv_cache = cache_view();
+    p.kv_cache = cache_view(s);
     if (w_.kv_norm) {
       p.kv_norm_weight = make_view(norm_weight_.data(), kModel, {kL}, device_);
       p.kv_norm_eps = kNormEps;
@@ -545,6 +566,9 @@ class Row : public BenchRow {
   int64_t T_;
   int64_t Td_;
   int64_t H_;  // query heads
+  // The sets share set 0's positions and slot_mapping and each writes a cache of its own
+  // (BenchOptions::shared_indices).
+  bool shared_indices_;
   Device device_;
   Timer& timer_;
   const Buffer& table_;
@@ -553,7 +577,8 @@ class Row : public BenchRow {
   const Buffer& error_counts_;
   int64_t bytes_ = 0;
   int num_sets_ = 1;
-  int64_t num_blocks_ = 0;
+  int64_t num_blocks_ = 0;       // of one cache view
+  size_t cache_set_stride_ = 0;  // bytes from one set's cache to the next (0: one cache)
   Buffer cache_;
   Buffer norm_weight_;                     // kv_norm: [L]
   std::vector<uint8_t> norm_weight_host_;  // kv_norm: the same, for the reference
@@ -934,6 +959,12 @@ int run_bench(const BenchOptions& options) {
       static_cast<long long>(kL), static_cast<long long>(kR), static_cast<long long>(kP),
       static_cast<long long>(kMaxPos), static_cast<long long>(kBlockSize),
       static_cast<double>(options.q_scale));
+  if (options.shared_indices) {
+    std::printf(
+        "--shared-indices: the mla_rope_cache rows' input sets share one positions and one "
+        "slot_mapping, as the layers of one step do, so those and the cos/sin rows they pick "
+        "stay in cache; each set writes a cache of its own, as each layer does\n");
+  }
   if (roofline.kernel) {
     std::printf(
         "copy roofline %.1f GB/s (1 GiB, read + write: cudaMemcpyAsync D2D %.1f, a streaming "
@@ -977,8 +1008,8 @@ int run_bench(const BenchOptions& options) {
       if (w->kind == Kind::kNormQuant || w->kind == Kind::kDualNorm) {
         row = std::make_unique<NormRow>(*w, T, *timer, workload_index);
       } else {
-        row = std::make_unique<Row>(*w, T, options.heads, *timer, table, cache_scale, q_scale,
-                                    error_counts, workload_index);
+        row = std::make_unique<Row>(*w, T, options.heads, options.shared_indices, *timer, table,
+                                    cache_scale, q_scale, error_counts, workload_index);
       }
       std::string check = "skipped";
       if (!options.skip_check) {
@@ -1055,7 +1086,8 @@ int run_bench(const BenchOptions& options) {
           {"rope_style", "gptj"},
           {"max_pos", kMaxPos},
           {"fp8_cache_scale", kFp8CacheScale},
-          {"fp8_q_scale", options.q_scale}}},
+          {"fp8_q_scale", options.q_scale},
+          {"shared_indices", options.shared_indices}}},
         {"copy_roofline_gbps", roofline_gbps},
         {"copy_roofline_memcpy_gbps", copy_gbps(roofline_bytes, roofline.memcpy)},
         {"copy_roofline_kernel_gbps",

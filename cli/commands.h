@@ -38,6 +38,10 @@ struct BenchOptions {
   // Query heads on the GPU: 128 (DeepSeek-V3 without tensor parallelism, or with data-parallel
   // attention), 128 / TP with it (16 at TP 8); Kimi-K2 has the same widths with 64 heads.
   int64_t heads = 128;
+  // The mla_rope_cache rows' input sets share one positions and one slot_mapping (set 0's), as
+  // the layers of one engine step share them, and each set writes a cache of its own, as each
+  // layer has its own. Without it every set has its own indices and all sets write one cache.
+  bool shared_indices = false;
 };
 // `mlakv bench`: DeepSeek-V3 shapes, fused op vs unfused primitives vs a copy of the same bytes.
 int run_bench(const BenchOptions& options);

@@ -86,6 +86,10 @@ int run(int argc, char** argv) {
                    "(8 at TP 8) (the mla_rope_cache workloads; the norm rows do not depend on it)")
       ->check(CLI::Range(int64_t{1}, int64_t{1024}))
       ->capture_default_str();
+  bench->add_flag("--shared-indices", bench_options.shared_indices,
+                  "The mla_rope_cache rows' input sets share one positions and one slot_mapping, "
+                  "as the layers of one step do (their cos/sin rows then stay in cache); each set "
+                  "writes a cache of its own, as each layer does");
   bench->add_option("--device", bench_options.device, "The CUDA backend's GPU, cuda:N")
       ->check(CLI::Range(0, 1023))
       ->capture_default_str();
