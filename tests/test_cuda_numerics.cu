@@ -6,6 +6,8 @@
 // - cuda::fp8x2_from_float (the hardware conversion) against num::from_float<Fp8>;
 // - cuda::encode_chunk (the kernels' fp8 quantization of 8 values, fast and exact paths) against
 //   num::quantize;
+// - num::from_float's fp16 / fp8 rounding in the device's form against the host's
+//   (num::detail::narrow_bits_by_selects / _by_masks), both run on the GPU, on all 2^32 floats;
 // - the hardware bf16 / fp16 rounding (cvt.rn.bf16x2.f32 / cvt.rn.f16x2.f32) against
 //   num::from_float on all 2^32 floats but NaNs, and cuda::rotate_chunk (the fused kernel's RoPE
 //   of a chunk: that rounding on finite chunks and cos/sin, rotate_pair's otherwise) against the
@@ -94,6 +96,24 @@ __global__ void hardware_rounding_kernel(uint64_t start, uint64_t n, unsigned lo
       asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(w) : "f"(0.0f), "f"(f));
     }
     if ((w & 0xffffu) != num::from_float<T>(f).bits) {
+      const unsigned long long k = atomicAdd(bad, 1ull);
+      if (k < 4) first_bad[k] = u;
+    }
+  }
+}
+
+// Every float u = start .. start + n - 1 (bits) rounded to format F by numerics.h's two forms
+// (the device's, which the kernels run, and the host's, which the CPU backend runs; both are IEEE
+// operations, so the GPU gives each form's host bits): mismatches counted, the first few recorded.
+template <typename F>
+__global__ void narrow_forms_kernel(uint64_t start, uint64_t n, unsigned long long* bad,
+                                    uint32_t* first_bad) {
+  const uint64_t stride = static_cast<uint64_t>(gridDim.x) * blockDim.x;
+  for (uint64_t i = static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += stride) {
+    const uint32_t u = static_cast<uint32_t>(start + i);
+    const float f = __uint_as_float(u);
+    if (num::detail::narrow_bits_by_selects<F>(f) != num::detail::narrow_bits_by_masks<F>(f)) {
       const unsigned long long k = atomicAdd(bad, 1ull);
       if (k < 4) first_bad[k] = u;
     }
@@ -421,6 +441,33 @@ void check_hardware_rounding(const char* what) {
                   << " rounds differently";
   }
   EXPECT_EQ(count, 0u) << what << ": all 2^32 floats but NaNs";
+}
+
+template <typename F>
+void check_narrow_forms(const char* what) {
+  DeviceArray<unsigned long long> bad(1);
+  DeviceArray<uint32_t> first(4);
+  ASSERT_TRUE(bad.ptr && first.ptr);
+  TEST_CUDA_OK(cudaMemset(bad.ptr, 0, sizeof(unsigned long long)));
+  narrow_forms_kernel<F>
+      <<<4096, 256, 0, cudaStream_t{}>>>(0, uint64_t{1} << 32, bad.ptr, first.ptr);
+  TEST_CUDA_OK(cudaGetLastError());
+  unsigned long long count = 0;
+  uint32_t firsts[4] = {};
+  TEST_CUDA_OK(cudaMemcpy(&count, bad.ptr, sizeof(count), cudaMemcpyDeviceToHost));
+  TEST_CUDA_OK(cudaMemcpy(firsts, first.ptr, sizeof(firsts), cudaMemcpyDeviceToHost));
+  for (unsigned long long k = 0; k < count && k < 4; ++k) {
+    ADD_FAILURE() << what << ": float bits 0x" << std::hex << firsts[k] << std::dec
+                  << " rounds differently in the two forms";
+  }
+  EXPECT_EQ(count, 0u) << what << ": all 2^32 floats";
+}
+
+TEST(CudaNumerics, NarrowFormsAgreeOnEveryFloat) {
+  if (!has_gpu()) GTEST_SKIP() << "no CUDA device visible";
+  check_narrow_forms<num::Fp16Format>("fp16");
+  check_narrow_forms<num::E4M3Format>("e4m3");
+  check_narrow_forms<num::E5M2Format>("e5m2");
 }
 
 TEST(CudaNumerics, HardwareRoundingMatchesFromFloat) {

@@ -1,5 +1,6 @@
 // mlakv tests: the scalar numerics. Both the library's src/common/numerics.h and the reference's
 // own codec against a table of known values, then cross-checked against each other exhaustively;
+// numerics.h's two forms of the fp16 / fp8 rounding (device, host) against each other;
 // RMSNorm's fp32 sum of squares (src/cpu/cpu_common.h) against its documented order, and the CPU
 // group amax (amax_of) against a plain loop.
 #include <gtest/gtest.h>
@@ -205,6 +206,65 @@ TEST(NumericsCrossCheck, AllBf16Patterns) {
     cc.check(bits_to_float((b << 16) | 0x7fffu));
   }
   EXPECT_EQ(cc.failures, 0);
+}
+
+// Every rounding position of every exponent: the bits below position p just under, at and just
+// over half a unit there, above them both parities of bit p and random higher bits. Each format
+// rounds at one p per exponent (a subnormal result's p moves with the exponent), so its ties and
+// near-ties are all here, which whole bf16 patterns give only for fp8 and random floats hardly
+// ever.
+TEST(NumericsCrossCheck, TiesAtEveryBitOfEveryExponent) {
+  CrossCheck cc;
+  std::mt19937 rng(77);
+  for (uint32_t sign = 0; sign < 2; ++sign) {
+    for (uint32_t exp = 0; exp < 256; ++exp) {
+      for (uint32_t p = 1; p < 23; ++p) {
+        const uint32_t half = 1u << (p - 1);
+        for (uint32_t low : {half - 1u, half, half + 1u}) {
+          for (int k = 0; k < 4; ++k) {
+            const uint32_t high = (static_cast<uint32_t>(rng()) & (0x7fffffu >> p) & ~1u) |
+                                  static_cast<uint32_t>(k & 1);
+            cc.check(bits_to_float((sign << 31) | (exp << 23) | (high << p) | low));
+          }
+        }
+      }
+    }
+  }
+  EXPECT_EQ(cc.failures, 0);
+}
+
+// numerics.h's two forms of the fp16 / fp8 rounding (the device's by selects, the host's by masks;
+// test_cuda_numerics.cu compares them on the GPU for every float): on the host, over the values of
+// the test above, random floats and every special class.
+template <typename F>
+int64_t narrow_forms_differ(float f) {
+  return num::detail::narrow_bits_by_selects<F>(f) != num::detail::narrow_bits_by_masks<F>(f);
+}
+
+TEST(NumericsCrossCheck, NarrowFormsAgree) {
+  int64_t differ = 0;
+  auto check = [&](uint32_t u) {
+    const float f = bits_to_float(u);
+    const int64_t d = narrow_forms_differ<num::Fp16Format>(f) +
+                      narrow_forms_differ<num::E4M3Format>(f) +
+                      narrow_forms_differ<num::E5M2Format>(f);
+    if (d != 0 && differ < 8) ADD_FAILURE() << "float bits 0x" << std::hex << u;
+    differ += d;
+  };
+  std::mt19937 rng(78);
+  for (uint32_t exp = 0; exp < 256; ++exp) {
+    for (uint32_t p = 1; p < 23; ++p) {
+      const uint32_t half = 1u << (p - 1);
+      for (uint32_t low : {0u, half - 1u, half, half + 1u, 2 * half - 1u}) {
+        for (uint32_t sign = 0; sign < 2; ++sign) {
+          const uint32_t high = static_cast<uint32_t>(rng()) & (0x7fffffu >> p);
+          check((sign << 31) | (exp << 23) | (high << p) | low);
+        }
+      }
+    }
+  }
+  for (int i = 0; i < 1000000; ++i) check(static_cast<uint32_t>(rng()));
+  EXPECT_EQ(differ, 0);
 }
 
 TEST(NumericsCrossCheck, RandomFloats) {

@@ -118,66 +118,109 @@ MLAKV_HD float to_float(Half v) {
   return bits_float(sign | ((exp + 112u) << 23) | (mant << 13));
 }
 
-MLAKV_HD Half float_to_half(float f) {
-  // Written as selects over values computed for every input (no branches) so that host compilers
-  // vectorize it; the bits equal the obvious if/else form for all 2^32 inputs.
-  uint32_t u = float_bits(f);
-  const uint32_t sign = (u >> 16) & 0x8000u;
-  u &= 0x7fffffffu;
-  // Normal result: rebias, then round to nearest even at bit 13 (a carry into the exponent rounds
-  // 65520.. up to inf, as it should).
+// ---- narrower float formats (fp16, fp8) -----------------------------------------------------
+// The bits of f in a binary format of kWidth bits with kMant mantissa bits and exponent bias kBias,
+// rounded to nearest even, |f| limited to kLimitBits (a float's bits): the format's max where it
+// saturates (fp8: +-inf and everything beyond max give +-max), 2^16 for fp16 (every value that
+// rounds past fp16's max rounds to 2^16, whose bits are inf's). Every NaN gives kNaN, without a
+// sign: a NaN's sign is the platform's (an x86 invalid operation gives a negative NaN, a GPU a
+// positive one), so keeping it would make the CPU and CUDA backends differ.
+//
+// Two forms of the same rounding, the device's and the host's (narrow_float_bits below picks):
+// test_numerics.cpp holds them equal on the host (and both to the reference), and
+// test_cuda_numerics.cu on the GPU for all 2^32 floats. Both compute every value for every input
+// and choose by selects or masks.
+//
+// A format: kWidth bits, kMant mantissa bits, exponent bias kBias, |f| limited to kLimitBits,
+// kNaN for every NaN; the rest derived.
+template <int kWidth_, int kMant_, int kBias_, uint32_t kLimitBits_, uint32_t kNaN_>
+struct NarrowFormat {
+  static constexpr int kWidth = kWidth_;
+  static constexpr uint32_t kLimitBits = kLimitBits_;
+  static constexpr uint32_t kNaN = kNaN_;
+  static constexpr uint32_t kSign = 1u << (kWidth - 1);
+  static constexpr uint32_t kMinNormal = static_cast<uint32_t>(128 - kBias_) << 23;  // 2^(1-bias)
+  static constexpr uint32_t kRebias = static_cast<uint32_t>(127 - kBias_) << 23;
+  static constexpr uint32_t kUlpShift = 23 - kMant_;
+  // 2^(24 - kBias - kMant): added to a float below 2^(1 - kBias), it puts the format's subnormal
+  // unit at the float's last mantissa bit.
+  static constexpr uint32_t kSubnormalUnit = static_cast<uint32_t>(151 - kBias_ - kMant_) << 23;
+  static constexpr uint32_t kLimitCode = (kLimitBits - kRebias) >> kUlpShift;
+};
+using Fp16Format = NarrowFormat<16, 10, 15, 0x47800000u, 0x7fffu>;  // limit 2^16: inf's bits
+using E4M3Format = NarrowFormat<8, 3, 7, 0x43e00000u, 0x7fu>;       // limit 448
+using E5M2Format = NarrowFormat<8, 2, 15, 0x47600000u, 0x7fu>;      // limit 57344
+
+namespace detail {
+// The device's form: a normal result by integer rounding at bit 23 - kMant, a subnormal one by the
+// FPU's rounding of |f| + the subnormal unit's magic, then selects. (The host's form, compiled for
+// the device, took up to 8 more registers in the fused kernel's instances that quantize a
+// per-tensor fp8 cache entry by it.)
+template <typename F>
+MLAKV_HD uint32_t narrow_bits_by_selects(float f) {
+  const uint32_t u = float_bits(f);
+  const uint32_t sign = (u >> (32 - F::kWidth)) & F::kSign;
+  const uint32_t abs = u & 0x7fffffffu;
+  // (Below kLimitBits, a value of the format, the rounding never passes the limit's code.)
   const uint32_t normal =
-      (u + (static_cast<uint32_t>(15 - 127) << 23) + 0xfffu + ((u >> 13) & 1u)) >> 13;
-  // Subnormal or zero result (u < 2^-14): adding 2^-1 puts the fp16 subnormal unit (2^-24) at the
-  // float's last mantissa bit, so the FPU's round-to-nearest-even does the rounding.
-  const float magic = 0.5f;
-  const uint32_t subnormal = float_bits(bits_float(u) + magic) - float_bits(magic);
-  uint32_t out = u < 0x38800000u ? subnormal : normal;
-  out = u >= 0x47800000u ? 0x7c00u : out;  // >= 65536 (and inf) -> inf
-  // NaN -> the canonical NaN whatever its sign, as bf16: a NaN's sign is the platform's (an x86
-  // invalid operation gives a negative NaN, a GPU a positive one), so keeping it would make the
-  // CPU and CUDA backends differ.
-  out = u > 0x7f800000u ? 0x7fffu : (out | sign);
-  return Half{static_cast<uint16_t>(out)};
+      (abs - F::kRebias + ((1u << (F::kUlpShift - 1)) - 1u) + ((abs >> F::kUlpShift) & 1u)) >>
+      F::kUlpShift;
+  const uint32_t subnormal =
+      float_bits(add_rn(bits_float(abs), bits_float(F::kSubnormalUnit))) - F::kSubnormalUnit;
+  uint32_t out = abs < F::kMinNormal ? subnormal : normal;
+  out = abs >= F::kLimitBits ? F::kLimitCode : out;
+  return abs > 0x7f800000u ? F::kNaN : (out | sign);
+}
+
+// The host's form. GCC keeps floating-point traps by default, so it vectorizes a loop over a
+// conversion only if no floating-point operation sits under a branch; without AVX-512's masked
+// lanes it turned the selects of the device's form into branches around the addition, and every
+// conversion loop (the fp8 cache and q_out, rmsnorm_quant's values) ran scalar. Here the FPU rounds
+// every input: a + 2^(e + 23 - kMant), e the exponent of a but at least the format's smallest
+// normal one, puts the format's ulp at a at the float's last mantissa bit, and subtracting it again
+// is exact. The result's bits are a rebias and shift for a normal or, for a subnormal, the count of
+// units read off result + the subnormal unit's magic; the choices are integer masks, and the NaN
+// case an addition.
+template <typename F>
+MLAKV_HD uint32_t narrow_bits_by_masks(float f) {
+  const uint32_t u = float_bits(f);
+  const uint32_t sign = (u >> (32 - F::kWidth)) & F::kSign;
+  const uint32_t abs = u & 0x7fffffffu;
+  const uint32_t nan = 0u - static_cast<uint32_t>(abs > 0x7f800000u);  // all ones for a NaN
+  const uint32_t a = abs < F::kLimitBits ? abs : F::kLimitBits;        // a NaN too
+  uint32_t magic = a & 0x7f800000u;
+  magic = (magic < F::kMinNormal ? F::kMinNormal : magic) + (F::kUlpShift << 23);
+  const float rounded = add_rn(add_rn(bits_float(a), bits_float(magic)), -bits_float(magic));
+  const uint32_t subnormal = 0u - static_cast<uint32_t>(a < F::kMinNormal);  // all ones
+  const uint32_t t = float_bits(add_rn(rounded, bits_float(subnormal & F::kSubnormalUnit)));
+  const uint32_t code = (t - (F::kRebias + (subnormal & (F::kSubnormalUnit - F::kRebias)))) >>
+                        (~subnormal & F::kUlpShift);
+  // A NaN's a is the limit: its code, plus the difference to kNaN, without the sign.
+  return (code | (sign & ~nan)) + (nan & (F::kNaN - F::kLimitCode));
+}
+}  // namespace detail
+
+template <typename F>
+MLAKV_HD uint32_t narrow_float_bits(float f) {
+#if defined(__CUDA_ARCH__)
+  return detail::narrow_bits_by_selects<F>(f);
+#else
+  return detail::narrow_bits_by_masks<F>(f);
+#endif
+}
+
+MLAKV_HD Half float_to_half(float f) {
+  return Half{static_cast<uint16_t>(narrow_float_bits<Fp16Format>(f))};
 }
 
 // ---- fp8 (OCP) -----------------------------------------------------------------------------
 // Saturating, round-to-nearest-even; NaN -> 0x7f; +-inf and anything beyond max -> +-max.
-// Selects instead of branches (host compilers vectorize them); the bits equal the if/else form for
-// all 2^32 inputs.
 MLAKV_HD Fp8E4M3 float_to_e4m3(float f) {
-  uint32_t u = float_bits(f);
-  const uint32_t sign = (u >> 24) & 0x80u;
-  u &= 0x7fffffffu;
-  // Normal result: rebias, round to nearest even at bit 20; 464.. would round to 480: saturate.
-  uint32_t normal =
-      (u + (static_cast<uint32_t>(7 - 127) << 23) + 0x7ffffu + ((u >> 20) & 1u)) >> 20;
-  normal = normal > 0x7eu ? 0x7eu : normal;
-  // Subnormal result (u < 2^-6): 2^14's ulp is 2^-9, the e4m3 subnormal unit.
-  const float magic = 16384.0f;
-  const uint32_t subnormal = float_bits(bits_float(u) + magic) - float_bits(magic);
-  uint32_t out = u < 0x3c800000u ? subnormal : normal;
-  out = u >= 0x43e00000u ? 0x7eu : out;  // >= 448 (inf included)
-  out |= sign;
-  out = u > 0x7f800000u ? 0x7fu : out;  // NaN
-  return Fp8E4M3{static_cast<uint8_t>(out)};
+  return Fp8E4M3{static_cast<uint8_t>(narrow_float_bits<E4M3Format>(f))};
 }
 
 MLAKV_HD Fp8E5M2 float_to_e5m2(float f) {
-  uint32_t u = float_bits(f);
-  const uint32_t sign = (u >> 24) & 0x80u;
-  u &= 0x7fffffffu;
-  uint32_t normal =
-      (u + (static_cast<uint32_t>(15 - 127) << 23) + 0xfffffu + ((u >> 21) & 1u)) >> 21;
-  normal = normal > 0x7bu ? 0x7bu : normal;
-  // Subnormal result (u < 2^-14): 2^7's ulp is 2^-16, the e5m2 subnormal unit.
-  const float magic = 128.0f;
-  const uint32_t subnormal = float_bits(bits_float(u) + magic) - float_bits(magic);
-  uint32_t out = u < 0x38800000u ? subnormal : normal;
-  out = u >= 0x47600000u ? 0x7bu : out;  // >= 57344 (inf included)
-  out |= sign;
-  out = u > 0x7f800000u ? 0x7fu : out;  // NaN
-  return Fp8E5M2{static_cast<uint8_t>(out)};
+  return Fp8E5M2{static_cast<uint8_t>(narrow_float_bits<E5M2Format>(f))};
 }
 
 MLAKV_HD float to_float(Fp8E4M3 v) {
