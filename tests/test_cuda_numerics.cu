@@ -77,48 +77,49 @@ __global__ void encode_chunk_kernel(const num::Bf16* x, int64_t chunks, float sc
   for (int e = 0; e < cuda::kChunkElems; ++e) out[i * cuda::kChunkElems + e] = q.v[e].bits;
 }
 
-// Every float u = start .. start + n - 1 (bits), rounded by the hardware and by num::from_float
-// on the device: NaN inputs skipped (rotate_chunk never rounds one by the hardware), mismatches
-// counted, the first few recorded.
-template <typename T>
-__global__ void hardware_rounding_kernel(uint64_t start, uint64_t n, unsigned long long* bad,
-                                         uint32_t* first_bad) {
+// Every float u = start .. start + n - 1 (bits) through Differs{}(u) (a device check: true where
+// two computations of u's bits disagree): mismatches counted, the first few recorded.
+template <typename Differs>
+__global__ void every_float_kernel(uint64_t start, uint64_t n, unsigned long long* bad,
+                                   uint32_t* first_bad) {
   const uint64_t stride = static_cast<uint64_t>(gridDim.x) * blockDim.x;
   for (uint64_t i = static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
        i += stride) {
     const uint32_t u = static_cast<uint32_t>(start + i);
-    const float f = __uint_as_float(u);
-    if (f != f) continue;
-    uint32_t w;
-    if constexpr (std::is_same_v<T, num::Bf16>) {
-      asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(w) : "f"(0.0f), "f"(f));
-    } else {
-      asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(w) : "f"(0.0f), "f"(f));
-    }
-    if ((w & 0xffffu) != num::from_float<T>(f).bits) {
+    if (Differs{}(u)) {
       const unsigned long long k = atomicAdd(bad, 1ull);
       if (k < 4) first_bad[k] = u;
     }
   }
 }
 
-// Every float u = start .. start + n - 1 (bits) rounded to format F by numerics.h's two forms
-// (the device's, which the kernels run, and the host's, which the CPU backend runs; both are IEEE
-// operations, so the GPU gives each form's host bits): mismatches counted, the first few recorded.
-template <typename F>
-__global__ void narrow_forms_kernel(uint64_t start, uint64_t n, unsigned long long* bad,
-                                    uint32_t* first_bad) {
-  const uint64_t stride = static_cast<uint64_t>(gridDim.x) * blockDim.x;
-  for (uint64_t i = static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
-       i += stride) {
-    const uint32_t u = static_cast<uint32_t>(start + i);
+// A float rounded by the hardware and by num::from_float on the device; NaN inputs skipped
+// (rotate_chunk never rounds one by the hardware).
+template <typename T>
+struct HardwareRoundingDiffers {
+  __device__ bool operator()(uint32_t u) const {
     const float f = __uint_as_float(u);
-    if (num::detail::narrow_bits_by_selects<F>(f) != num::detail::narrow_bits_by_masks<F>(f)) {
-      const unsigned long long k = atomicAdd(bad, 1ull);
-      if (k < 4) first_bad[k] = u;
+    if (f != f) return false;
+    uint32_t w;
+    if constexpr (std::is_same_v<T, num::Bf16>) {
+      asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(w) : "f"(0.0f), "f"(f));
+    } else {
+      asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(w) : "f"(0.0f), "f"(f));
     }
+    return (w & 0xffffu) != num::from_float<T>(f).bits;
   }
-}
+};
+
+// A float rounded to format F by numerics.h's two forms (the device's, which the kernels run, and
+// the host's, which the CPU backend runs; both are IEEE operations, so the GPU gives each form's
+// host bits).
+template <typename F>
+struct NarrowFormsDiffer {
+  __device__ bool operator()(uint32_t u) const {
+    const float f = __uint_as_float(u);
+    return num::detail::narrow_bits_by_selects<F>(f) != num::detail::narrow_bits_by_masks<F>(f);
+  }
+};
 
 // rotate_chunk on chunk i of x by cos/sin columns cs[4 i .. 4 i + 3], sn[...].
 template <typename T>
@@ -423,14 +424,14 @@ TEST(CudaNumerics, Fp8E5M2ConversionMatchesHost) {
   check_fp8_conversion<num::Fp8E5M2>("e5m2");
 }
 
-template <typename T>
-void check_hardware_rounding(const char* what) {
+// every_float_kernel<Differs> over all 2^32 floats, each mismatch reported.
+using EveryFloatKernel = void (*)(uint64_t, uint64_t, unsigned long long*, uint32_t*);
+void expect_every_float_agrees(EveryFloatKernel kernel, const char* what, const char* which) {
   DeviceArray<unsigned long long> bad(1);
   DeviceArray<uint32_t> first(4);
   ASSERT_TRUE(bad.ptr && first.ptr);
   TEST_CUDA_OK(cudaMemset(bad.ptr, 0, sizeof(unsigned long long)));
-  hardware_rounding_kernel<T>
-      <<<4096, 256, 0, cudaStream_t{}>>>(0, uint64_t{1} << 32, bad.ptr, first.ptr);
+  kernel<<<4096, 256, 0, cudaStream_t{}>>>(0, uint64_t{1} << 32, bad.ptr, first.ptr);
   TEST_CUDA_OK(cudaGetLastError());
   unsigned long long count = 0;
   uint32_t firsts[4] = {};
@@ -440,40 +441,24 @@ void check_hardware_rounding(const char* what) {
     ADD_FAILURE() << what << ": float bits 0x" << std::hex << firsts[k] << std::dec
                   << " rounds differently";
   }
-  EXPECT_EQ(count, 0u) << what << ": all 2^32 floats but NaNs";
-}
-
-template <typename F>
-void check_narrow_forms(const char* what) {
-  DeviceArray<unsigned long long> bad(1);
-  DeviceArray<uint32_t> first(4);
-  ASSERT_TRUE(bad.ptr && first.ptr);
-  TEST_CUDA_OK(cudaMemset(bad.ptr, 0, sizeof(unsigned long long)));
-  narrow_forms_kernel<F>
-      <<<4096, 256, 0, cudaStream_t{}>>>(0, uint64_t{1} << 32, bad.ptr, first.ptr);
-  TEST_CUDA_OK(cudaGetLastError());
-  unsigned long long count = 0;
-  uint32_t firsts[4] = {};
-  TEST_CUDA_OK(cudaMemcpy(&count, bad.ptr, sizeof(count), cudaMemcpyDeviceToHost));
-  TEST_CUDA_OK(cudaMemcpy(firsts, first.ptr, sizeof(firsts), cudaMemcpyDeviceToHost));
-  for (unsigned long long k = 0; k < count && k < 4; ++k) {
-    ADD_FAILURE() << what << ": float bits 0x" << std::hex << firsts[k] << std::dec
-                  << " rounds differently in the two forms";
-  }
-  EXPECT_EQ(count, 0u) << what << ": all 2^32 floats";
-}
-
-TEST(CudaNumerics, NarrowFormsAgreeOnEveryFloat) {
-  if (!has_gpu()) GTEST_SKIP() << "no CUDA device visible";
-  check_narrow_forms<num::Fp16Format>("fp16");
-  check_narrow_forms<num::E4M3Format>("e4m3");
-  check_narrow_forms<num::E5M2Format>("e5m2");
+  EXPECT_EQ(count, 0u) << what << ": " << which;
 }
 
 TEST(CudaNumerics, HardwareRoundingMatchesFromFloat) {
   if (!has_gpu()) GTEST_SKIP() << "no CUDA device visible";
-  check_hardware_rounding<num::Bf16>("cvt.rn.bf16x2.f32");
-  check_hardware_rounding<num::Half>("cvt.rn.f16x2.f32");
+  const char* which = "all 2^32 floats but NaNs";
+  expect_every_float_agrees(every_float_kernel<HardwareRoundingDiffers<num::Bf16>>,
+                            "cvt.rn.bf16x2.f32", which);
+  expect_every_float_agrees(every_float_kernel<HardwareRoundingDiffers<num::Half>>,
+                            "cvt.rn.f16x2.f32", which);
+}
+
+TEST(CudaNumerics, NarrowFormsAgreeOnEveryFloat) {
+  if (!has_gpu()) GTEST_SKIP() << "no CUDA device visible";
+  const char* which = "the two forms, all 2^32 floats";
+  expect_every_float_agrees(every_float_kernel<NarrowFormsDiffer<num::Fp16Format>>, "fp16", which);
+  expect_every_float_agrees(every_float_kernel<NarrowFormsDiffer<num::E4M3Format>>, "e4m3", which);
+  expect_every_float_agrees(every_float_kernel<NarrowFormsDiffer<num::E5M2Format>>, "e5m2", which);
 }
 
 // Random chunks and cos/sin with special values (NaN, +-inf, huge, subnormal, signed zeros) in
