@@ -234,8 +234,9 @@ TEST(NumericsCrossCheck, TiesAtEveryBitOfEveryExponent) {
 }
 
 // numerics.h's two forms of the fp16 / fp8 rounding (the device's by selects, the host's by masks;
-// test_cuda_numerics.cu compares them on the GPU for every float): on the host, over the values of
-// the test above, random floats and every special class.
+// test_cuda_numerics.cu compares them on the GPU for every float): on the host, at every rounding
+// position of every exponent (as the test above, and with the low bits all zeros or all ones; the
+// exponents 0 and 255 give zeros, subnormals, infinities and NaNs) and on random floats.
 template <typename F>
 int64_t narrow_forms_differ(float f) {
   return num::detail::narrow_bits_by_selects<F>(f) != num::detail::narrow_bits_by_masks<F>(f);

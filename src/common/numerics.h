@@ -127,7 +127,7 @@ MLAKV_HD float to_float(Half v) {
 // positive one), so keeping it would make the CPU and CUDA backends differ.
 //
 // Two forms of the same rounding, the device's and the host's (narrow_float_bits below picks):
-// test_numerics.cpp holds them equal on the host (and both to the reference), and
+// test_numerics.cpp holds them equal on the host (and the host's to the reference's codec), and
 // test_cuda_numerics.cu on the GPU for all 2^32 floats. Both compute every value for every input
 // and choose by selects or masks.
 //
