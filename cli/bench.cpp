@@ -183,7 +183,7 @@ struct HostInputs {
 };
 
 struct InputSet {
-  HostInputs host;  // kept for set 0 only (restore after the check, reference)
+  HostInputs host;  // kept for the checked sets only (restore after the check, reference)
   Buffer positions, slots, kv_c, k_pe, q_pe, ql_nope, q_out, q;
 };
 
@@ -282,7 +282,8 @@ class Row : public BenchRow {
               31u * static_cast<uint64_t>(T) + static_cast<uint64_t>(s));
       const int64_t first = shared_indices_ ? 0 : s * T;
       std::vector<int64_t> slots(all_slots.begin() + first, all_slots.begin() + first + T);
-      sets_.push_back(make_set(rng, slots, /*keep_host=*/s == 0,
+      const bool checked = s == 0 || (shared_indices_ && s == num_sets_ - 1);
+      sets_.push_back(make_set(rng, slots, /*keep_host=*/checked,
                                /*own_indices=*/s == 0 || !shared_indices_));
     }
   }
@@ -362,22 +363,32 @@ class Row : public BenchRow {
     };
   }
 
-  // fused == unfused byte for byte on set 0 (cache, q_out, q), and fused == reference when asked.
+  // fused == unfused byte for byte (cache, q_out, q), and fused == reference when asked: on set 0,
+  // and with shared indices also on the last set, which reads set 0's positions and slot_mapping
+  // and must write its own cache (checked against the reference, which writes there).
   void check(bool with_reference) override {
-    const std::string label = row_label(w_, T_);
-    InputSet& in = sets_[0];
+    check_set(0, with_reference);
+    if (shared_indices_ && num_sets_ > 1) check_set(num_sets_ - 1, with_reference);
+  }
+
+ private:
+  void check_set(int s, bool with_reference) {
+    const std::string label =
+        row_label(w_, T_) + (s == 0 ? std::string() : " set " + std::to_string(s));
+    InputSet& in = sets_[s];
+    const InputSet& idx = indices_of(s);
     reset_error_counts(error_counts_.as<int32_t>(), device_);
 
     poison_outputs(in);
-    fused_op(0)(nullptr);
+    fused_op(s)(nullptr);
     device_synchronize(device_);
     const std::vector<uint8_t> cache_fused = cache_.download();
     const std::vector<uint8_t> q_out_fused = Td_ > 0 ? in.q_out.download() : std::vector<uint8_t>();
     const std::vector<uint8_t> q_fused = has_q() ? in.q.download() : std::vector<uint8_t>();
     // The fused op writes none of its inputs (q's rope part is the in-place output, compared
     // below).
-    expect_unchanged(label, "positions", in.positions, in.host.positions);
-    expect_unchanged(label, "slot_mapping", in.slots, in.host.slots);
+    expect_unchanged(label, "positions", idx.positions, idx.host.positions);
+    expect_unchanged(label, "slot_mapping", idx.slots, idx.host.slots);
     expect_unchanged(label, "kv_c", in.kv_c, in.host.kv_c);
     expect_unchanged(label, "k_pe", in.k_pe, in.host.k_pe);
     expect_unchanged(label, "q_pe", in.q_pe, in.host.q_pe);
@@ -385,7 +396,7 @@ class Row : public BenchRow {
 
     restore_inputs(in);
     poison_outputs(in);
-    unfused_op(0)(nullptr);
+    unfused_op(s)(nullptr);
     device_synchronize(device_);
     expect_same(label, "cache", "unfused", cache_fused, cache_.download(), 0, cache_.bytes());
     if (Td_ > 0) {
@@ -415,15 +426,15 @@ class Row : public BenchRow {
     const float cache_scale = kFp8CacheScale;
     float q_scale = 1.0f;
     std::memcpy(&q_scale, q_scale_.download().data(), sizeof(q_scale));
-    MlaRopeCacheParams p = fused_params(0);
+    MlaRopeCacheParams p = fused_params(s);
     const Device host{DeviceType::kCPU, 0};
     auto rebase = [&](TensorView& v, void* data) {
       if (!v.present()) return;
       v.data = data;
       v.device = host;
     };
-    rebase(p.positions, in.host.positions.data());
-    rebase(p.slot_mapping, in.host.slots.data());
+    rebase(p.positions, const_cast<uint8_t*>(idx.host.positions.data()));
+    rebase(p.slot_mapping, const_cast<uint8_t*>(idx.host.slots.data()));
     rebase(p.cos_sin_cache, const_cast<uint8_t*>(table_host.data()));
     rebase(p.kv_c, in.host.kv_c.data());
     rebase(p.kv_norm_weight, norm_weight_host_.data());
@@ -436,7 +447,11 @@ class Row : public BenchRow {
     } else {
       rebase(p.q_pe, q_pe_ref.data());
     }
-    p.kv_cache.data = cache_ref.data();
+    // Set s's own cache: the s-th of the buffer's equal parts (shared indices) or the one cache,
+    // found from the buffer's size, not from the stride the op's view was given.
+    const size_t own_cache =
+        shared_indices_ ? static_cast<size_t>(s) * (cache_ref.size() / num_sets_) : 0;
+    p.kv_cache.data = cache_ref.data() + own_cache;
     p.kv_cache.device = host;
     if (p.kv_cache.scale != nullptr) p.kv_cache.scale = &cache_scale;
     if (p.q_scale != nullptr) p.q_scale = &q_scale;
@@ -448,7 +463,6 @@ class Row : public BenchRow {
     if (has_q()) expect_same(label, "q", "reference", q_fused, q_ref, 0, q_ref.size());
   }
 
- private:
   bool has_q() const { return w_.kind != Kind::kDecode; }
 
   // own_indices: the set gets its own positions and slot_mapping (otherwise it reads set 0's).
