@@ -299,8 +299,8 @@ Mismatch compare_runs(const Run& got, const Run& expected, const char* versus) {
     return m;
   }
   for (size_t id = 0; id < expected.result.size(); ++id) {
-    const Mismatch m = compare_buffer(expected.names(static_cast<int>(id)), got.result[id],
-                                      expected.result[id], versus);
+    Mismatch m = compare_buffer(expected.names(static_cast<int>(id)), got.result[id],
+                                expected.result[id], versus);
     if (m.found) return m;
   }
   for (int k = 0; k < kNumErrorCounters; ++k) {
