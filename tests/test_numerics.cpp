@@ -441,7 +441,10 @@ SumSquaresRow<T> random_row(int64_t n, int min_exp, int max_exp, std::mt19937_64
 // cannot pass.
 template <typename T>
 void expect_tree_order(const char* dtype, int min_exp, int max_exp) {
-  const int64_t kSizes[] = {1, 2, 3, 7, 8, 9, 31, 255, 256, 257, 512, 1000, 1536, 5000, 7168};
+  // With the CPU's tiles of 2048 elements: a partial tile of 256 chunks (2041, 2047), whole tiles
+  // with and without a partial one after them (2048, 2049, 4096, 6143, 6144, 10241).
+  const int64_t kSizes[] = {1,    2,    3,    7,    8,    9,    31,   255,  256,  257,  512,  1000,
+                            1536, 2041, 2047, 2048, 2049, 4096, 5000, 6143, 6144, 7168, 10241};
   std::mt19937_64 rng(0x5eed5a + static_cast<uint64_t>(sizeof(T)));
   int differs_from_partials = 0;
   int differs_from_sequential = 0;
@@ -487,9 +490,9 @@ TEST(SumSquares, SmallTreesWrittenOut) {
   }
 }
 
-// amax_of (16 running maxima) against one compare a value: the largest |v| with NaN skipped and
-// +0 for none, at every length up to 70, so that every partial tail (n % 16 != 0) runs; the
-// rmsnorm_quant and fp8_ds_mla callers only pass multiples of 16.
+// amax_of (a maximum of bit patterns) against one float compare a value: the largest |v| with NaN
+// skipped and +0 for none, at every length up to 70 (every vector tail), with NaN, -0 and -inf
+// among the values.
 template <typename V>
 void expect_amax_of(const char* dtype) {
   std::mt19937_64 rng(0xa3a0f + sizeof(V));

@@ -309,9 +309,10 @@ MLAKV_HD float chunk_square_sum(const float (&x)[8]) {
 // The tree over subtrees of equal size arriving left to right (a row's chunks or segments), as a
 // binary counter: pending[k] holds a subtree of 2^k arrivals while bit k of `count` is set; add()
 // merges the carries (pending[k] + v for each trailing 1 bit) and stores at the first clear bit;
-// total() adds the pending subtrees, smallest first, each to the one on its left (the padded
-// tree's right edge, + 0 at the start). Every index is a loop counter (unrolled on the GPU: the
-// array stays in registers). 32 levels: 2^32 - 1 arrivals.
+// total(acc) adds the pending subtrees, smallest first, each to the one on its left, starting
+// from acc: +0, or a right edge summed apart (cpu_common.h sum_squares' partial last tile). Every
+// index is a loop counter (unrolled on the GPU: the array stays in registers). 32 levels: 2^32 - 1
+// arrivals.
 struct PairwiseMerger {
   static constexpr int kLevels = 32;
   float pending[kLevels] = {};
@@ -332,8 +333,7 @@ struct PairwiseMerger {
     }
     ++count;
   }
-  MLAKV_HD float total() const {
-    float acc = 0.0f;
+  MLAKV_HD float total(float acc = 0.0f) const {
 #if defined(__CUDACC__)
 #pragma unroll
 #endif
