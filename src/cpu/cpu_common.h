@@ -536,8 +536,7 @@ inline float amax_of(const V* v, int64_t n) {
   uint32_t amax = 0;
   for (int64_t i = 0; i < n; ++i) {
     const uint32_t mag = num::float_bits(num::to_float(v[i])) & 0x7fffffffu;
-    // All ones where mag is a NaN's: 0x7f800000 - mag is then negative (an arithmetic shift).
-    const uint32_t nan = static_cast<uint32_t>(static_cast<int32_t>(0x7f800000u - mag) >> 31);
+    const uint32_t nan = 0u - static_cast<uint32_t>(mag > 0x7f800000u);  // all ones for a NaN
     const uint32_t m = mag & ~nan;
     amax = amax > m ? amax : m;
   }
