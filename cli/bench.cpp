@@ -282,8 +282,7 @@ class Row : public BenchRow {
               31u * static_cast<uint64_t>(T) + static_cast<uint64_t>(s));
       const int64_t first = shared_indices_ ? 0 : s * T;
       std::vector<int64_t> slots(all_slots.begin() + first, all_slots.begin() + first + T);
-      const bool checked = s == 0 || (shared_indices_ && s == num_sets_ - 1);
-      sets_.push_back(make_set(rng, slots, /*keep_host=*/checked,
+      sets_.push_back(make_set(rng, slots, /*keep_host=*/is_checked(s),
                                /*own_indices=*/s == 0 || !shared_indices_));
     }
   }
@@ -367,11 +366,16 @@ class Row : public BenchRow {
   // and with shared indices also on the last set, which reads set 0's positions and slot_mapping
   // and must write its own cache (checked against the reference, which writes there).
   void check(bool with_reference) override {
-    check_set(0, with_reference);
-    if (shared_indices_ && num_sets_ > 1) check_set(num_sets_ - 1, with_reference);
+    for (int s = 0; s < num_sets_; ++s) {
+      if (is_checked(s)) check_set(s, with_reference);
+    }
   }
 
  private:
+  // The sets check() compares (their host inputs are kept): set 0, and with shared indices the
+  // last set too.
+  bool is_checked(int s) const { return s == 0 || (shared_indices_ && s == num_sets_ - 1); }
+
   void check_set(int s, bool with_reference) {
     const std::string label =
         row_label(w_, T_) + (s == 0 ? std::string() : " set " + std::to_string(s));
