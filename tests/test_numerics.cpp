@@ -1,10 +1,12 @@
 // mlakv tests: the scalar numerics. Both the library's src/common/numerics.h and the reference's
 // own codec against a table of known values, then cross-checked against each other exhaustively;
-// numerics.h's two forms of the fp16 / fp8 rounding (device, host) against each other;
-// RMSNorm's fp32 sum of squares (src/cpu/cpu_common.h) against its documented order, and the CPU
-// group amax (amax_of) against a plain loop.
+// numerics.h's two forms of the fp16 / fp8 rounding (device, host) against each other; the CPU
+// backend's vectorized row conversions (src/cpu/cpu_common.h) against the reference; RMSNorm's
+// fp32 sum of squares against its documented order, and the CPU group amax (amax_of) against a
+// plain loop, with NaNs of every payload.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cfloat>
 #include <cmath>
 #include <cstdint>
@@ -26,6 +28,12 @@ float bits_to_float(uint32_t u) {
   float f;
   std::memcpy(&f, &u, 4);
   return f;
+}
+
+uint32_t float_to_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
 }
 
 const float kInf = std::numeric_limits<float>::infinity();
@@ -213,8 +221,8 @@ TEST(NumericsCrossCheck, AllBf16Patterns) {
 // rounds at one p per exponent (a subnormal result's p moves with the exponent), so its ties and
 // near-ties are all here, which whole bf16 patterns give only for fp8 and random floats hardly
 // ever.
-TEST(NumericsCrossCheck, TiesAtEveryBitOfEveryExponent) {
-  CrossCheck cc;
+std::vector<float> rounding_position_floats() {
+  std::vector<float> out;
   std::mt19937 rng(77);
   for (uint32_t sign = 0; sign < 2; ++sign) {
     for (uint32_t exp = 0; exp < 256; ++exp) {
@@ -224,13 +232,101 @@ TEST(NumericsCrossCheck, TiesAtEveryBitOfEveryExponent) {
           for (int k = 0; k < 4; ++k) {
             const uint32_t high = (static_cast<uint32_t>(rng()) & (0x7fffffu >> p) & ~1u) |
                                   static_cast<uint32_t>(k & 1);
-            cc.check(bits_to_float((sign << 31) | (exp << 23) | (high << p) | low));
+            out.push_back(bits_to_float((sign << 31) | (exp << 23) | (high << p) | low));
           }
         }
       }
     }
   }
+  return out;
+}
+
+TEST(NumericsCrossCheck, TiesAtEveryBitOfEveryExponent) {
+  CrossCheck cc;
+  for (float f : rounding_position_floats()) cc.check(f);
   EXPECT_EQ(cc.failures, 0);
+}
+
+// Runs row(offset, n) over [0, size) in rows of every length from 1 to 67 in turn, so that each
+// loop runs its vector body and every tail from every start offset modulo 8.
+template <typename Row>
+void over_rows(size_t size, const Row& row) {
+  for (size_t i = 0, len = 1; i < size; i += len, len = len % 67 + 1) {
+    row(i, static_cast<int64_t>(std::min(len, size - i)));
+  }
+}
+
+// Whether a converted 16-bit value is the reference's: the same bits, or for a NaN any NaN (the
+// library makes NaNs canonical, the reference need not).
+bool same_16(float in, float got, float want, uint16_t got_bits, uint16_t want_bits) {
+  return std::isnan(in) ? std::isnan(got) && std::isnan(want) : got_bits == want_bits;
+}
+
+// The CPU backend's row loops (cpu_common.h convert_row and quantize_row, which the compiler
+// vectorizes) against the reference element by element: floats at every rounding position of
+// every exponent (above), and every fp16 and bf16 pattern, into fp16, bf16, e4m3 and e5m2.
+TEST(NumericsCrossCheck, CpuRowLoopsEqualTheReference) {
+  using cpu::detail::convert_row;
+  using cpu::detail::quantize_row;
+  int64_t failures = 0;
+  auto expect = [&](bool ok, const char* what, uint32_t in_bits) {
+    if (!ok && failures++ < 8) {
+      ADD_FAILURE() << what << " of input bits 0x" << std::hex << in_bits;
+    }
+  };
+  const std::vector<float> f = rounding_position_floats();
+  std::vector<num::Half> h(f.size());
+  std::vector<num::Bf16> b(f.size());
+  std::vector<num::Fp8E4M3> e4(f.size());
+  std::vector<num::Fp8E5M2> e5(f.size());
+  over_rows(f.size(), [&](size_t i, int64_t n) {
+    convert_row(f.data() + i, h.data() + i, n);
+    convert_row(f.data() + i, b.data() + i, n);
+    quantize_row(f.data() + i, e4.data() + i, n, 1.0f);
+    quantize_row(f.data() + i, e5.data() + i, n, 1.0f);
+  });
+  for (size_t i = 0; i < f.size(); ++i) {
+    const float x = f[i];
+    const uint32_t u = float_to_bits(x);
+    const uint16_t want_h = ref::float_to_fp16(x);
+    const uint16_t want_b = ref::float_to_bf16(x);
+    expect(same_16(x, num::to_float(h[i]), ref::fp16_to_float(want_h), h[i].bits, want_h),
+           "float -> fp16", u);
+    expect(same_16(x, num::to_float(b[i]), ref::bf16_to_float(want_b), b[i].bits, want_b),
+           "float -> bf16", u);
+    expect(e4[i].bits == ref::float_to_fp8(x, DType::kFloat8E4M3), "float -> e4m3", u);
+    expect(e5[i].bits == ref::float_to_fp8(x, DType::kFloat8E5M2), "float -> e5m2", u);
+  }
+
+  // Every 16-bit pattern into the other 16-bit type and into fp8, at scale 1 and at a scale that
+  // makes the quantization a real division.
+  std::vector<num::Half> all_h(0x10000);
+  std::vector<num::Bf16> all_b(0x10000);
+  for (uint32_t v = 0; v < 0x10000u; ++v) {
+    all_h[v] = num::Half{static_cast<uint16_t>(v)};
+    all_b[v] = num::Bf16{static_cast<uint16_t>(v)};
+  }
+  for (float scale : {1.0f, 0.037f}) {
+    over_rows(0x10000, [&](size_t i, int64_t n) {
+      convert_row(all_h.data() + i, b.data() + i, n);
+      convert_row(all_b.data() + i, h.data() + i, n);
+      quantize_row(all_h.data() + i, e4.data() + i, n, scale);
+      quantize_row(all_b.data() + i, e5.data() + i, n, scale);
+    });
+    for (uint32_t v = 0; v < 0x10000u; ++v) {
+      const float xh = ref::fp16_to_float(static_cast<uint16_t>(v));
+      const float xb = ref::bf16_to_float(static_cast<uint16_t>(v));
+      const uint16_t want_b = ref::float_to_bf16(xh);
+      const uint16_t want_h = ref::float_to_fp16(xb);
+      expect(same_16(xh, num::to_float(b[v]), ref::bf16_to_float(want_b), b[v].bits, want_b),
+             "fp16 -> bf16", v);
+      expect(same_16(xb, num::to_float(h[v]), ref::fp16_to_float(want_h), h[v].bits, want_h),
+             "bf16 -> fp16", v);
+      expect(e4[v].bits == ref::float_to_fp8(xh / scale, DType::kFloat8E4M3), "fp16 -> e4m3", v);
+      expect(e5[v].bits == ref::float_to_fp8(xb / scale, DType::kFloat8E5M2), "bf16 -> e5m2", v);
+    }
+  }
+  EXPECT_EQ(failures, 0);
 }
 
 // numerics.h's two forms of the fp16 / fp8 rounding (the device's by selects, the host's by masks;
@@ -397,12 +493,6 @@ float sequential_sum(const std::vector<float>& squares) {
   return sum;
 }
 
-uint32_t float_to_bits(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  return u;
-}
-
 // A row of T: random signs and magnitudes in [2^min_exp, 2^(max_exp + 1)), never zero; the
 // values and their fp32 squares as the reference sees them, through the reference's own decoders.
 template <typename T>
@@ -490,9 +580,25 @@ TEST(SumSquares, SmallTreesWrittenOut) {
   }
 }
 
+// A NaN of V with a random sign and payload (quiet or signaling): the bit patterns a raw input can
+// carry, which num::from_float would have made canonical.
+template <typename V>
+V random_nan(std::mt19937_64& rng) {
+  const uint64_t r = rng();
+  if constexpr (std::is_same_v<V, float>) {
+    const uint32_t payload = 1u + static_cast<uint32_t>(r % 0x7fffffu);  // 1 .. 2^23 - 1
+    return bits_to_float(((r >> 32) & 1u) << 31 | 0x7f800000u | payload);
+  } else {
+    constexpr int kMantissaBits = std::is_same_v<V, num::Bf16> ? 7 : 10;
+    constexpr uint32_t kExponent = std::is_same_v<V, num::Bf16> ? 0x7f80u : 0x7c00u;
+    const uint32_t payload = 1u + static_cast<uint32_t>(r % ((1u << kMantissaBits) - 1u));
+    return V{static_cast<uint16_t>(((r >> 32) & 1u) << 15 | kExponent | payload)};
+  }
+}
+
 // amax_of (a maximum of bit patterns) against one float compare a value: the largest |v| with NaN
-// skipped and +0 for none, at every length up to 70 (every vector tail), with NaN, -0 and -inf
-// among the values.
+// skipped and +0 for none, at every length up to 70 (every vector tail), with NaN of any sign and
+// payload, -0 and -inf among the values.
 template <typename V>
 void expect_amax_of(const char* dtype) {
   std::mt19937_64 rng(0xa3a0f + sizeof(V));
@@ -504,11 +610,12 @@ void expect_amax_of(const char* dtype) {
       float expected = 0.0f;
       for (auto& e : v) {
         const int k = kind(rng);
-        const float f = k == 0                     ? kNaN
-                        : k == 1                   ? -0.0f
-                        : k == 2 && trial % 5 == 0 ? -kInf
-                                                   : value(rng);
-        e = num::from_float<V>(f);
+        if (k == 0) {
+          e = random_nan<V>(rng);
+        } else {
+          const float f = k == 1 ? -0.0f : k == 2 && trial % 5 == 0 ? -kInf : value(rng);
+          e = num::from_float<V>(f);
+        }
         const float stored = std::fabs(num::to_float(e));
         if (!std::isnan(stored) && stored > expected) expected = stored;
       }
@@ -522,6 +629,7 @@ void expect_amax_of(const char* dtype) {
 
 TEST(AmaxOf, EveryTailFloat32) { expect_amax_of<float>("float32"); }
 TEST(AmaxOf, EveryTailBFloat16) { expect_amax_of<num::Bf16>("bfloat16"); }
+TEST(AmaxOf, EveryTailFloat16) { expect_amax_of<num::Half>("float16"); }
 
 }  // namespace
 }  // namespace mlakv
