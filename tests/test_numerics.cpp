@@ -533,8 +533,9 @@ template <typename T>
 void expect_tree_order(const char* dtype, int min_exp, int max_exp) {
   // With the CPU's tiles of 2048 elements: a partial tile of 256 chunks (2041, 2047), whole tiles
   // with and without a partial one after them (2048, 2049, 4096, 6143, 6144, 10241).
-  const int64_t kSizes[] = {1,    2,    3,    7,    8,    9,    31,   255,  256,  257,  512,  1000,
-                            1536, 2041, 2047, 2048, 2049, 4096, 5000, 6143, 6144, 7168, 10241};
+  const int64_t kSizes[] = {0,    1,    2,    3,    7,    8,    9,    31,
+                            255,  256,  257,  512,  1000, 1536, 2041, 2047,
+                            2048, 2049, 4096, 5000, 6143, 6144, 7168, 10241};
   std::mt19937_64 rng(0x5eed5a + static_cast<uint64_t>(sizeof(T)));
   int differs_from_partials = 0;
   int differs_from_sequential = 0;
@@ -565,6 +566,30 @@ TEST(SumSquares, PairwiseTreeFloat32) { expect_tree_order<float>("float32", -20,
 TEST(SumSquares, PairwiseTreeBFloat16) { expect_tree_order<num::Bf16>("bfloat16", -20, 20); }
 // fp16: below 2^-14 the values are subnormal; 2^15 would overflow near 2^16 (max 65504).
 TEST(SumSquares, PairwiseTreeFloat16) { expect_tree_order<num::Half>("float16", -20, 14); }
+
+// Rows with an infinity, a NaN, subnormals or zeros among finite values, on both sides of a
+// tile boundary: the tree's value (a NaN as any NaN), as the backends' RMSNorm then sees it.
+TEST(SumSquares, SpecialValuesFloat32) {
+  std::mt19937_64 rng(0x5bec);
+  const float kSpecial[] = {kInf, -kInf, kNaN, -kNaN, bits_to_float(0x7f800001u), 1e-40f, -0.0f};
+  for (const int64_t n : {1, 9, 2047, 2049}) {
+    for (const float special : kSpecial) {
+      for (const int64_t at : {int64_t{0}, n / 2, n - 1}) {
+        SumSquaresRow<float> r = random_row<float>(n, -20, 20, rng);
+        r.stored[static_cast<size_t>(at)] = special;
+        r.values[static_cast<size_t>(at)] = special;
+        const float expected = ref::tree_sum_squares(r.values);
+        const float got = cpu::detail::sum_squares(r.stored.data(), n);
+        if (std::isnan(expected)) {
+          ASSERT_TRUE(std::isnan(got)) << "n " << n << " at " << at << ": " << got;
+        } else {
+          ASSERT_EQ(float_to_bits(got), float_to_bits(expected))
+              << "n " << n << " special " << special << " at " << at;
+        }
+      }
+    }
+  }
+}
 
 // The examples of docs/rmsnorm_quant.md written out: n = 3 is (q0 + q1) + q2, n = 6 is
 // ((q0 + q1) + (q2 + q3)) + (q4 + q5).
