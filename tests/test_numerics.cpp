@@ -256,10 +256,19 @@ void over_rows(size_t size, const Row& row) {
   }
 }
 
-// Whether a converted 16-bit value is the reference's: the same bits, or for a NaN any NaN (the
-// library makes NaNs canonical, the reference need not).
-bool same_16(float in, float got, float want, uint16_t got_bits, uint16_t want_bits) {
-  return std::isnan(in) ? std::isnan(got) && std::isnan(want) : got_bits == want_bits;
+// Whether v is the reference's conversion of x: the same bits, or for a NaN any NaN (the library
+// makes NaNs canonical, the reference need not).
+bool is_ref_of(num::Half v, float x) {
+  return std::isnan(x) ? std::isnan(num::to_float(v)) : v.bits == ref::float_to_fp16(x);
+}
+bool is_ref_of(num::Bf16 v, float x) {
+  return std::isnan(x) ? std::isnan(num::to_float(v)) : v.bits == ref::float_to_bf16(x);
+}
+bool is_ref_of(num::Fp8E4M3 v, float x) {
+  return v.bits == ref::float_to_fp8(x, DType::kFloat8E4M3);
+}
+bool is_ref_of(num::Fp8E5M2 v, float x) {
+  return v.bits == ref::float_to_fp8(x, DType::kFloat8E5M2);
 }
 
 // The CPU backend's row loops (cpu_common.h convert_row and quantize_row, which the compiler
@@ -286,16 +295,11 @@ TEST(NumericsCrossCheck, CpuRowLoopsEqualTheReference) {
     quantize_row(f.data() + i, e5.data() + i, n, 1.0f);
   });
   for (size_t i = 0; i < f.size(); ++i) {
-    const float x = f[i];
-    const uint32_t u = float_to_bits(x);
-    const uint16_t want_h = ref::float_to_fp16(x);
-    const uint16_t want_b = ref::float_to_bf16(x);
-    expect(same_16(x, num::to_float(h[i]), ref::fp16_to_float(want_h), h[i].bits, want_h),
-           "float -> fp16", u);
-    expect(same_16(x, num::to_float(b[i]), ref::bf16_to_float(want_b), b[i].bits, want_b),
-           "float -> bf16", u);
-    expect(e4[i].bits == ref::float_to_fp8(x, DType::kFloat8E4M3), "float -> e4m3", u);
-    expect(e5[i].bits == ref::float_to_fp8(x, DType::kFloat8E5M2), "float -> e5m2", u);
+    const uint32_t u = float_to_bits(f[i]);
+    expect(is_ref_of(h[i], f[i]), "float -> fp16", u);
+    expect(is_ref_of(b[i], f[i]), "float -> bf16", u);
+    expect(is_ref_of(e4[i], f[i]), "float -> e4m3", u);
+    expect(is_ref_of(e5[i], f[i]), "float -> e5m2", u);
   }
 
   // Every 16-bit pattern into the other 16-bit type and into fp8, at scale 1 and at a scale that
@@ -316,14 +320,10 @@ TEST(NumericsCrossCheck, CpuRowLoopsEqualTheReference) {
     for (uint32_t v = 0; v < 0x10000u; ++v) {
       const float xh = ref::fp16_to_float(static_cast<uint16_t>(v));
       const float xb = ref::bf16_to_float(static_cast<uint16_t>(v));
-      const uint16_t want_b = ref::float_to_bf16(xh);
-      const uint16_t want_h = ref::float_to_fp16(xb);
-      expect(same_16(xh, num::to_float(b[v]), ref::bf16_to_float(want_b), b[v].bits, want_b),
-             "fp16 -> bf16", v);
-      expect(same_16(xb, num::to_float(h[v]), ref::fp16_to_float(want_h), h[v].bits, want_h),
-             "bf16 -> fp16", v);
-      expect(e4[v].bits == ref::float_to_fp8(xh / scale, DType::kFloat8E4M3), "fp16 -> e4m3", v);
-      expect(e5[v].bits == ref::float_to_fp8(xb / scale, DType::kFloat8E5M2), "bf16 -> e5m2", v);
+      expect(is_ref_of(b[v], xh), "fp16 -> bf16", v);
+      expect(is_ref_of(h[v], xb), "bf16 -> fp16", v);
+      expect(is_ref_of(e4[v], xh / scale), "fp16 -> e4m3", v);
+      expect(is_ref_of(e5[v], xb / scale), "bf16 -> e5m2", v);
     }
   }
   EXPECT_EQ(failures, 0);
