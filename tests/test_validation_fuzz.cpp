@@ -10,7 +10,7 @@
 // rmsnorm_quant.cpp's validator, and the ops' dtype checks):
 //   - one dim more (a trailing dim of size 1) or one fewer;
 //   - a negative size;
-//   - an innermost stride of 2, or a negative outer stride (on a dim of size > 1);
+//   - an innermost stride of 2, or a negative or zero outer stride (on a dim of size > 1);
 //   - an unknown dtype, or one of the wrong kind (an integer type for values, a float for
 //     indices);
 //   - data misaligned for its dtype, or null for a view of bytes;
@@ -41,6 +41,7 @@ enum class Breakage {
   kNegativeSize,
   kInnerStride,
   kNegativeStride,
+  kZeroStride,
   kUnknownDtype,
   kWrongKindDtype,
   kMisaligned,
@@ -58,6 +59,7 @@ constexpr NamedBreakage kBreakages[] = {
     {Breakage::kNegativeSize, "a negative size"},
     {Breakage::kInnerStride, "innermost stride 2"},
     {Breakage::kNegativeStride, "a negative outer stride"},
+    {Breakage::kZeroStride, "a zero outer stride"},
     {Breakage::kUnknownDtype, "an unknown dtype"},
     {Breakage::kWrongKindDtype, "a dtype of the wrong kind"},
     {Breakage::kMisaligned, "misaligned data"},
@@ -90,9 +92,10 @@ bool break_view(TensorView* t, Breakage b, Device op_device) {
       t->stride[n - 1] = 2;
       return true;
     case Breakage::kNegativeStride:
+    case Breakage::kZeroStride:
       for (int d = 0; d + 1 < n; ++d) {
         if (t->shape[d] > 1) {
-          t->stride[d] = -t->stride[d];
+          t->stride[d] = b == Breakage::kZeroStride ? 0 : -t->stride[d];
           return true;
         }
       }
@@ -380,99 +383,103 @@ TEST_P(ValidationFuzz, UnfusedOpsRefuseEveryBrokenTensor) {
   EXPECT_GT(broken, 100);
 }
 
-// rmsnorm_quant with a residual and a normalized output, its scales row- or column-major.
+// rmsnorm_quant with a residual and a normalized output, its scales row- or column-major, at
+// T = 5 and T = 1 (where only the first of the tensors' rows is used), two padding rows after T.
 TEST_P(ValidationFuzz, RmsNormQuantRefusesEveryBrokenTensor) {
   const Device dev = GetParam().device;
   std::mt19937_64 rng(71);
   int broken = 0;
-  for (const int64_t N : {int64_t{1536}, int64_t{512}}) {
-    for (const bool column_major : {false, true}) {
-      const int64_t T = 5, rows = T + 2, G = 128;
-      const Tensor x = random_tensor(dev, DType::kBFloat16, {rows, N}, rng);
-      const Tensor w = random_tensor(dev, DType::kBFloat16, {N}, rng);
-      const Tensor residual = random_tensor(dev, DType::kBFloat16, {rows, N}, rng);
-      const Tensor normed = poisoned_tensor(dev, DType::kBFloat16, {rows, N});
-      const Tensor values = poisoned_tensor(dev, DType::kFloat8E4M3, {rows, N});
-      const int64_t S = rows + 1;  // column-major: groups S floats apart
-      const Tensor scale_buffer = poisoned_tensor(dev, DType::kFloat32, {(N / G) * S});
-      const Tensor scales = column_major ? scale_buffer.view(0, {rows, N / G}, {1, S})
-                                         : scale_buffer.view(0, {rows, N / G}, {N / G, 1});
-      const Call<RmsNormQuantParams> call{
-          "N " + std::to_string(N) + (column_major ? " column-major" : " row-major"),
-          [&] {
-            RmsNormQuantParams p;
-            p.num_tokens = T;
-            p.input = x.device_view();
-            p.weight = w.device_view();
-            p.residual = residual.device_view();
-            p.normed_out = normed.device_view();
-            p.quant.values = values.device_view();
-            p.quant.scales = scales.device_view();
-            p.quant.group_size = G;
-            return p;
-          },
-          [](RmsNormQuantParams* p) -> Tensors {
-            return {{"input", &p->input},
-                    {"weight", &p->weight},
-                    {"residual", &p->residual},
-                    {"normed_out", &p->normed_out},
-                    {"quant.values", &p->quant.values},
-                    {"quant.scales", &p->quant.scales}};
-          },
-          [](const RmsNormQuantParams& p, const Context& ctx) { rmsnorm_quant(p, ctx); },
-          buffers_of({&x, &w, &residual, &normed, &values, &scale_buffer})};
-      broken += break_every_tensor(call, dev);
+  for (const int64_t T : {int64_t{5}, int64_t{1}}) {
+    for (const int64_t N : {int64_t{1536}, int64_t{512}}) {
+      for (const bool column_major : {false, true}) {
+        const int64_t rows = T + 2, G = 128;
+        const Tensor x = random_tensor(dev, DType::kBFloat16, {rows, N}, rng);
+        const Tensor w = random_tensor(dev, DType::kBFloat16, {N}, rng);
+        const Tensor residual = random_tensor(dev, DType::kBFloat16, {rows, N}, rng);
+        const Tensor normed = poisoned_tensor(dev, DType::kBFloat16, {rows, N});
+        const Tensor values = poisoned_tensor(dev, DType::kFloat8E4M3, {rows, N});
+        const int64_t S = rows + 1;  // column-major: groups S floats apart
+        const Tensor scale_buffer = poisoned_tensor(dev, DType::kFloat32, {(N / G) * S});
+        const Tensor scales = column_major ? scale_buffer.view(0, {rows, N / G}, {1, S})
+                                           : scale_buffer.view(0, {rows, N / G}, {N / G, 1});
+        const Call<RmsNormQuantParams> call{
+            "T " + std::to_string(T) + " N " + std::to_string(N) +
+                (column_major ? " column-major" : " row-major"),
+            [&] {
+              RmsNormQuantParams p;
+              p.num_tokens = T;
+              p.input = x.device_view();
+              p.weight = w.device_view();
+              p.residual = residual.device_view();
+              p.normed_out = normed.device_view();
+              p.quant.values = values.device_view();
+              p.quant.scales = scales.device_view();
+              p.quant.group_size = G;
+              return p;
+            },
+            [](RmsNormQuantParams* p) -> Tensors {
+              return {{"input", &p->input},
+                      {"weight", &p->weight},
+                      {"residual", &p->residual},
+                      {"normed_out", &p->normed_out},
+                      {"quant.values", &p->quant.values},
+                      {"quant.scales", &p->quant.scales}};
+            },
+            [](const RmsNormQuantParams& p, const Context& ctx) { rmsnorm_quant(p, ctx); },
+            buffers_of({&x, &w, &residual, &normed, &values, &scale_buffer})};
+        broken += break_every_tensor(call, dev);
 
-      const Call<PerTokenGroupQuantParams> quant{
-          call.label + " per_token_group_quant_fp8",
-          [&] {
-            PerTokenGroupQuantParams p;
-            p.num_tokens = T;
-            p.input = x.device_view();
-            p.quant = call.params().quant;
-            return p;
-          },
-          [](PerTokenGroupQuantParams* p) -> Tensors {
-            return {{"input", &p->input},
-                    {"quant.values", &p->quant.values},
-                    {"quant.scales", &p->quant.scales}};
-          },
-          [](const PerTokenGroupQuantParams& p, const Context& ctx) {
-            per_token_group_quant_fp8(p, ctx);
-          },
-          call.buffers};
-      broken += break_every_tensor(quant, dev);
+        const Call<PerTokenGroupQuantParams> quant{
+            call.label + " per_token_group_quant_fp8",
+            [&] {
+              PerTokenGroupQuantParams p;
+              p.num_tokens = T;
+              p.input = x.device_view();
+              p.quant = call.params().quant;
+              return p;
+            },
+            [](PerTokenGroupQuantParams* p) -> Tensors {
+              return {{"input", &p->input},
+                      {"quant.values", &p->quant.values},
+                      {"quant.scales", &p->quant.scales}};
+            },
+            [](const PerTokenGroupQuantParams& p, const Context& ctx) {
+              per_token_group_quant_fp8(p, ctx);
+            },
+            call.buffers};
+        broken += break_every_tensor(quant, dev);
 
-      // The dual form: this call as its q part (no residual or normalized output), and the
-      // residual's rows normalized into normed_out as its kv part.
-      const Call<MlaRmsNormQuantParams> dual{
-          call.label + " mla_rmsnorm_quant",
-          [&] {
-            MlaRmsNormQuantParams p;
-            p.q = call.params();
-            p.q.residual = TensorView{};
-            p.q.normed_out = TensorView{};
-            p.kv.num_tokens = T;
-            p.kv.input = residual.device_view();
-            p.kv.weight = w.device_view();
-            p.kv.output = normed.device_view();
-            return p;
-          },
-          [](MlaRmsNormQuantParams* p) -> Tensors {
-            return {{"q.input", &p->q.input},
-                    {"q.weight", &p->q.weight},
-                    {"q.quant.values", &p->q.quant.values},
-                    {"q.quant.scales", &p->q.quant.scales},
-                    {"kv.input", &p->kv.input},
-                    {"kv.weight", &p->kv.weight},
-                    {"kv.output", &p->kv.output}};
-          },
-          [](const MlaRmsNormQuantParams& p, const Context& ctx) { mla_rmsnorm_quant(p, ctx); },
-          call.buffers};
-      broken += break_every_tensor(dual, dev);
+        // The dual form: this call as its q part (no residual or normalized output), and the
+        // residual's rows normalized into normed_out as its kv part.
+        const Call<MlaRmsNormQuantParams> dual{
+            call.label + " mla_rmsnorm_quant",
+            [&] {
+              MlaRmsNormQuantParams p;
+              p.q = call.params();
+              p.q.residual = TensorView{};
+              p.q.normed_out = TensorView{};
+              p.kv.num_tokens = T;
+              p.kv.input = residual.device_view();
+              p.kv.weight = w.device_view();
+              p.kv.output = normed.device_view();
+              return p;
+            },
+            [](MlaRmsNormQuantParams* p) -> Tensors {
+              return {{"q.input", &p->q.input},
+                      {"q.weight", &p->q.weight},
+                      {"q.quant.values", &p->q.quant.values},
+                      {"q.quant.scales", &p->q.quant.scales},
+                      {"kv.input", &p->kv.input},
+                      {"kv.weight", &p->kv.weight},
+                      {"kv.output", &p->kv.output}};
+            },
+            [](const MlaRmsNormQuantParams& p, const Context& ctx) { mla_rmsnorm_quant(p, ctx); },
+            call.buffers};
+        broken += break_every_tensor(dual, dev);
+      }
     }
   }
-  EXPECT_GT(broken, 400);
+  EXPECT_GT(broken, 800);
 }
 
 // Both gathers, from a split fp8 cache and a combined fp8_ds_mla one.

@@ -65,12 +65,14 @@ class Validator {
     }
   }
 
-  // The view's bytes fit below core::kMaxExtentBytes from its address (spans.h); sizes, and the
-  // strides of dims of size > 1, are checked non-negative first.
+  // The view's bytes fit below core::kMaxExtentBytes from its address (spans.h); sizes are checked
+  // non-negative first, and the strides of dims of size > 1 positive, as for every op
+  // (validate.cpp), even where the op reads one row only (T <= 1 of a tensor with padding rows).
   void check_extent(const std::string& arg, const TensorView& v) const {
     for (int d = 0; d < v.ndim; ++d) {
-      if (v.shape[d] < 0 || (v.shape[d] > 1 && v.stride[d] < 0)) {
-        fail(arg, "expected sizes >= 0 and strides >= 0, got " + v.describe());
+      if (v.shape[d] < 0 || (v.shape[d] > 1 && v.stride[d] <= 0)) {
+        fail(arg, "expected sizes >= 0 and positive strides (any on size-1 dims), got " +
+                      v.describe());
       }
     }
     int64_t bytes = 0;
