@@ -71,8 +71,8 @@ class Validator {
   void check_extent(const std::string& arg, const TensorView& v) const {
     for (int d = 0; d < v.ndim; ++d) {
       if (v.shape[d] < 0 || (v.shape[d] > 1 && v.stride[d] <= 0)) {
-        fail(arg, "expected sizes >= 0 and positive strides (any on size-1 dims), got " +
-                      v.describe());
+        fail(arg,
+             "expected sizes >= 0 and positive strides (any on size-1 dims), got " + v.describe());
       }
     }
     int64_t bytes = 0;
