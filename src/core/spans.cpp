@@ -159,7 +159,8 @@ bool rows_overlap(const TensorView& t, int64_t rows) {
 void MemoryCheck::output(const char* name, const TensorView& t, int64_t end_row,
                          int64_t first_row) {
   MLAKV_CHECK(!rows_overlap(t, end_row), op_, ": ", name,
-              ": expected rows that do not overlap each other (an output), got ", t.describe());
+              ": expected rows that do not overlap each other (the op writes them), got ",
+              t.describe());
   outputs_.push_back(span_of(name, t, end_row, first_row));
 }
 
@@ -167,17 +168,18 @@ void MemoryCheck::check() const {
   for (size_t i = 0; i < outputs_.size(); ++i) {
     const Span& o = outputs_[i];
     for (const Span& in : inputs_) {
-      MLAKV_CHECK(allowed(o.name, in.name) || !may_overlap(o, in), op_, ": ", o.name,
-                  ": expected memory disjoint from ", in.name,
-                  " (an output may be an input only exactly: the same data and strides, where the "
-                  "op allows it), got overlapping memory");
+      MLAKV_CHECK(
+          allowed(o.name, in.name) || !may_overlap(o, in), op_, ": ", o.name,
+          ": expected memory disjoint from ", in.name,
+          " (a tensor the op writes may be an input only exactly: the same data and strides, "
+          "where the op allows it), got overlapping memory");
     }
     for (size_t j = i + 1; j < outputs_.size(); ++j) {
       const Span& other = outputs_[j];
       MLAKV_CHECK(
           allowed(o.name, other.name) || allowed(other.name, o.name) || !may_overlap(o, other), op_,
           ": ", o.name, ": expected memory disjoint from ", other.name,
-          " (another output), got overlapping memory");
+          " (the op writes both), got overlapping memory");
     }
   }
 }
