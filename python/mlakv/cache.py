@@ -111,11 +111,21 @@ def allocate_cache(num_blocks: int, block_size: int, kv_lora_rank: int, rope_dim
     return cache
 
 
+# The cache geometry every op accepts (src/core/validate.cpp): L a multiple of 16 in [16, 1024],
+# R even in [2, 256].
+LATENT_MULTIPLE = 16
+MAX_LATENT_DIM = 1024
+MAX_ROPE_DIM = 256
+
+
 def cache_latent_width(kv_cache: torch.Tensor, cache_format: str, kv_lora_rank: int,
                        kv_cache_rope: Optional[torch.Tensor] = None) -> int:
     """L + R of a cache tensor: the width of one gathered row. Raises ValueError for a cache the
-    ops reject by its layout alone: not 3 dims, an element type that is neither uint8 nor the
-    format's own, an fp8_ds_mla cache with another L than 512, an entry narrower than L."""
+    ops reject by its layout alone (the binding's and the core's rules that need no data): not 3
+    dims, an entry that is not contiguous, an element type that is neither uint8 nor the
+    format's own, byte entries that do not hold whole values, a split fp8_ds_mla cache or one
+    with another L than 512, an entry narrower than L, and an L or R outside what every op
+    accepts."""
     fmt = canonical_format(cache_format, kv_cache)
     for name, t in (("kv_cache", kv_cache), ("kv_cache_rope", kv_cache_rope)):
         if t is None:
@@ -123,28 +133,49 @@ def cache_latent_width(kv_cache: torch.Tensor, cache_format: str, kv_lora_rank: 
         if t.dim() != 3:
             raise ValueError(f"{name}: expected [num_blocks, block_size, entry] (3 dims), got "
                              f"shape {list(t.shape)}")
+        if t.shape[2] > 1 and t.stride(2) != 1:
+            raise ValueError(f"{name}: expected a contiguous entry (innermost stride 1), got "
+                             f"strides {list(t.stride())}")
         if t.dtype != torch.uint8 and (fmt == "fp8_ds_mla" or t.dtype != _LATENT_DTYPE[fmt]):
             own = "" if fmt == "fp8_ds_mla" else f" or {_LATENT_DTYPE[fmt]}"
             raise ValueError(f"{name}: a {fmt} cache is a uint8{own} tensor, got {t.dtype}")
     if fmt == "fp8_ds_mla":
+        if kv_cache_rope is not None:
+            raise ValueError("kv_cache_rope: fp8_ds_mla has only the combined layout")
         if kv_lora_rank != DS_MLA_LATENT_DIM:
             raise ValueError(f"kv_cache: fp8_ds_mla needs L = {DS_MLA_LATENT_DIM} and R = "
                              f"{DS_MLA_ROPE_DIM}, got L = {kv_lora_rank}, R = {DS_MLA_ROPE_DIM} "
                              f"(L from kv_lora_rank)")
         return DS_MLA_LATENT_DIM + DS_MLA_ROPE_DIM
     elem = _LATENT_DTYPE[fmt].itemsize
-    latent = kv_cache.shape[2] * kv_cache.element_size() // elem
+
+    def values(name, t):  # the format's values in one entry of t
+        entry_bytes = t.shape[2] * t.element_size()
+        if entry_bytes % elem != 0:
+            raise ValueError(f"{name}: a {fmt} cache holds whole values of {elem} bytes, got "
+                             f"entries of {entry_bytes} bytes")
+        return entry_bytes // elem
+
+    latent = values("kv_cache", kv_cache)
     if kv_cache_rope is not None:
         if kv_lora_rank >= 0 and kv_lora_rank != latent:
             raise ValueError(f"kv_cache: expected a latent part of {kv_lora_rank} values (L, from "
                              f"kv_lora_rank), got {latent}")
-        return latent + kv_cache_rope.shape[2] * kv_cache_rope.element_size() // elem
-    if kv_lora_rank < 0:
-        raise ValueError(f"kv_lora_rank: expected >= 0, got {kv_lora_rank}")
-    if kv_lora_rank > latent:
-        raise ValueError(f"kv_lora_rank: expected at most {latent} (the values of a kv_cache "
-                         f"entry), got {kv_lora_rank}")
-    return latent
+        L, R = latent, values("kv_cache_rope", kv_cache_rope)
+    else:
+        if kv_lora_rank < 0:
+            raise ValueError(f"kv_lora_rank: expected >= 0, got {kv_lora_rank}")
+        if kv_lora_rank > latent:
+            raise ValueError(f"kv_lora_rank: expected at most {latent} (the values of a kv_cache "
+                             f"entry), got {kv_lora_rank}")
+        L, R = kv_lora_rank, latent - kv_lora_rank
+    if not (LATENT_MULTIPLE <= L <= MAX_LATENT_DIM and L % LATENT_MULTIPLE == 0):
+        raise ValueError(f"kv_cache: expected L (kv_lora_rank) a multiple of {LATENT_MULTIPLE} in "
+                         f"[{LATENT_MULTIPLE}, {MAX_LATENT_DIM}], got L = {L}")
+    if not (2 <= R <= MAX_ROPE_DIM and R % 2 == 0):
+        raise ValueError(f"kv_cache: expected R (rope dim) even in [2, {MAX_ROPE_DIM}], got "
+                         f"R = {R}")
+    return L + R
 
 
 def gather_row_width(kv_cache: torch.Tensor, cache_format: str, kv_lora_rank: int,

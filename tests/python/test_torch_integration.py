@@ -265,9 +265,10 @@ def test_fake_kernels_reject_what_the_gathers_reject():
 
 
 def test_fake_kernels_reject_the_layouts_the_gathers_reject():
-    """Index tensors of the wrong rank or dtype, a cache that does not fit its format or L, and a
-    scale on a format that takes none: the functional gathers' fake kernels raise a RuntimeError
-    naming the same argument as the real op (eager), each case checked against eager first."""
+    """Index tensors of the wrong rank or dtype, a cache that does not fit its format or L (R = 0,
+    byte entries of no whole values, a strided entry, a split fp8_ds_mla cache), and a scale on a
+    format that takes none: the functional gathers' fake kernels raise a RuntimeError naming the
+    same argument as the real op (eager), each case checked against eager first."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     cfg = TP8
     ds = mlakv.allocate_cache(4, 4, 512, 64, "fp8_ds_mla")
@@ -276,15 +277,22 @@ def test_fake_kernels_reject_the_layouts_the_gathers_reject():
     table = torch.zeros(2, 2, dtype=torch.int32)
     cu = torch.tensor([0, 3, 7], dtype=torch.int32)
     scale = torch.ones(1)
-    slot_cases = [  # (cache, format, scale, slots, L, what the message names)
-        (ds, "fp8_ds_mla", None, slots.view(2, 3), 512, "slots"),
-        (ds, "fp8_ds_mla", None, slots.float(), 512, "slots"),
-        (ds, "fp8_ds_mla", None, slots, 448,
+    odd_bytes = torch.zeros(4, 4, 2 * (cfg.L + cfg.R) + 1, dtype=torch.uint8)
+    strided = torch.zeros(4, cfg.L + cfg.R, 4, dtype=torch.bfloat16).transpose(1, 2)
+    ds_rope = torch.zeros(4, 4, 128, dtype=torch.uint8)
+    slot_cases = [  # (cache, format, scale, rope part, slots, L, what the message names)
+        (ds, "fp8_ds_mla", None, None, slots.view(2, 3), 512, "slots"),
+        (ds, "fp8_ds_mla", None, None, slots.float(), 512, "slots"),
+        (ds, "fp8_ds_mla", None, None, slots, 448,
          r"^mlakv: kv_cache: fp8_ds_mla needs L = 512 and R = 64, got L = 448, R = 64 \(L from "
          r"kv_lora_rank\)"),
-        (bf16, "fp16", None, slots, cfg.L, "kv_cache"),
-        (bf16, "bf16", None, slots, cfg.L + cfg.R + 1, "kv_lora_rank"),
-        (bf16, "bf16", scale, slots, cfg.L, "scale"),
+        (ds, "fp8_ds_mla", None, ds_rope, slots, 512, "kv_cache_rope"),
+        (bf16, "fp16", None, None, slots, cfg.L, "kv_cache"),
+        (bf16, "bf16", None, None, slots, cfg.L + cfg.R + 1, "kv_lora_rank"),
+        (bf16, "bf16", None, None, slots, cfg.L + cfg.R, "kv_cache"),  # R = 0
+        (odd_bytes, "bf16", None, None, slots, cfg.L, "kv_cache"),
+        (strided, "bf16", None, None, slots, cfg.L, "kv_cache"),
+        (bf16, "bf16", scale, None, slots, cfg.L, "scale"),
     ]
     seq_cases = [  # (block_table, cu_seq_lens, what the message names)
         (table[0], cu, "block_table"),
@@ -294,9 +302,9 @@ def test_fake_kernels_reject_the_layouts_the_gathers_reject():
     ]
     for mode in (None, FakeTensorMode(allow_non_fake_inputs=True)):
         with mode if mode is not None else contextlib.nullcontext():
-            for cache, fmt, sc, sl, L, name in slot_cases:
+            for cache, fmt, sc, rope, sl, L, name in slot_cases:
                 with pytest.raises(RuntimeError, match=name):
-                    torch.ops.mlakv.gather_cache_slots(cache, fmt, sc, None, sl, L,
+                    torch.ops.mlakv.gather_cache_slots(cache, fmt, sc, rope, sl, L,
                                                        torch.float32)
             for bt, cs, name in seq_cases:
                 with pytest.raises(RuntimeError, match=name):
