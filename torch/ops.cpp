@@ -17,7 +17,8 @@ namespace {
 const int32_t* to_decode_count(const OptTensor& t, const at::Device& device) {
   if (!t.has_value() || !t->defined()) return nullptr;
   TORCH_CHECK(t->scalar_type() == at::kInt && t->numel() >= 1,
-              "mlakv: num_decode_tokens_device: expected an int32 tensor of one element, got ",
+              "mlakv: num_decode_tokens_device: expected an int32 tensor of at least one element "
+              "(the first is Td), got ",
               t->scalar_type(), " of shape ", t->sizes());
   TORCH_CHECK(t->device() == device, "mlakv: num_decode_tokens_device: expected a tensor on ",
               device, " (the op's device), got one on ", t->device());

@@ -545,6 +545,21 @@ def test_errors_name_the_torch_arguments(device):
     with pytest.raises(RuntimeError, match=r"^mlakv: rms_norm: out: expected") as e:
         mlakv.rms_norm(x, w, out=torch.zeros(4, 512, device=device))
     assert "output" not in str(e.value).splitlines()[0]
+    # The memory rules' messages: the renaming touches the argument's name, not the prose.
+    buf = torch.randn(5 * 512, device=device).bfloat16()
+    before = buf.clone()
+    shifted = buf[512:].view(4, 512)
+    other = torch.randn(520, device=device).bfloat16()
+    other_before = other.clone()
+    overlapping_rows = other.as_strided((4, 512), (2, 1))
+    for bad_out, pattern in [
+            (shifted, r"^mlakv: rms_norm: out: expected memory disjoint from input \(a tensor "
+                      r"the op writes may be an input only exactly"),
+            (overlapping_rows, r"^mlakv: rms_norm: out: expected rows that do not overlap each "
+                               r"other \(the op writes them\)")]:
+        with pytest.raises(RuntimeError, match=pattern):
+            torch.ops.mlakv.rms_norm(bad_out, buf[:2048].view(4, 512), w, 1e-6)
+    assert torch.equal(buf, before) and torch.equal(other, other_before)
     out = torch.zeros(4, 512, dtype=torch.float8_e4m3fn, device=device)
     scales = torch.full((4, 4), -7.0, device=device)
     cases = [
@@ -1033,6 +1048,12 @@ def test_binding_rejects_what_the_core_cannot_see(device):
     before = y.kv_cache.clone()
     with pytest.raises(RuntimeError, match="q_scale: given without q_out"):
         call_mla(mlakv.mla_rope_cache, y, "bf16", decode=False, q_scale=x.kv_cache_scale)
+    assert torch.equal(y.kv_cache, before)
+    # A device Td that is not an int32 count (its first element is read).
+    for td in (torch.zeros(0, dtype=torch.int32, device=device), torch.zeros(1, device=device)):
+        with pytest.raises(RuntimeError, match="num_decode_tokens_device: expected an int32 "
+                                               "tensor of at least one element"):
+            call_mla(mlakv.mla_rope_cache, y, "bf16", num_decode_tokens_device=td)
     assert torch.equal(y.kv_cache, before)
     # A 3-D query whose heads are not head_size wide.
     q_pe = y.q_pe.clone()
