@@ -352,6 +352,32 @@ def test_cuda_graph_capture_and_replay():
             assert_bytes_equal(getattr(x, name), getattr(new, name))
 
 
+def _run_on_a_stalled_stream(run, outputs):
+    """Runs `run` on a side stream made busy first (a ~0.1 s sleep kernel), reads `outputs` on
+    the default stream while it sleeps, then waits for it. An op launched on any stream but the
+    current one would have written by then; returns whether the early read saw no write and
+    whether the op wrote after all. The op runs once first, its outputs then put back: the first
+    launch of a kernel loads its module (lazy loading), which can wait for the running work."""
+    saved = [o.clone() for o in outputs]
+    run()
+    torch.cuda._sleep(1)
+    torch.cuda.synchronize()
+    for o, s in zip(outputs, saved):
+        o.copy_(s)
+    before = [s.cpu().view(torch.uint8) for s in saved]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())  # the inputs are ready
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(200_000_000)
+        run()
+    early = [o.cpu().view(torch.uint8) for o in outputs]  # the default stream, not synchronized
+    side.synchronize()
+    late = [o.cpu().view(torch.uint8) for o in outputs]
+    untouched = all(torch.equal(a, b) for a, b in zip(early, before))
+    written = any(not torch.equal(a, b) for a, b in zip(late, before))
+    return untouched, written
+
+
 @requires_cuda
 def test_cuda_matches_cpu_and_uses_current_stream():
     cfg = TP8
@@ -361,13 +387,90 @@ def test_cuda_matches_cpu_and_uses_current_stream():
         if isinstance(v, torch.Tensor):
             setattr(y, name, v.cuda())
     call_mla(mlakv.mla_rope_cache, x, "fp8_ds_mla")
-    side = torch.cuda.Stream()
-    with torch.cuda.stream(side):
-        call_mla(mlakv.mla_rope_cache, y, "fp8_ds_mla")
-    side.synchronize()
+    outs = ("kv_cache", "q_out", "q", "k_pe_out", "kv_c_out")
+    untouched, written = _run_on_a_stalled_stream(
+        lambda: call_mla(mlakv.mla_rope_cache, y, "fp8_ds_mla"), [getattr(y, n) for n in outs])
+    assert untouched and written
     # kv_c_out too: both backends sum RMSNorm's squares in the one documented order.
-    for name in ("kv_cache", "q_out", "q", "k_pe_out", "kv_c_out"):
+    for name in outs:
         assert_bytes_equal(getattr(y, name), getattr(x, name))
+
+
+def _stream_cases():
+    """(name, make) pairs: make() returns (run, outputs) for one op's call on CUDA tensors."""
+    cfg = TP8
+
+    def inputs():
+        return make_mla_inputs(cfg, "bf16", T=8, Td=3, device="cuda", seed=27)
+
+    def concat():
+        x = inputs()
+        return (lambda: mlakv.concat_and_cache_mla(x.kv_c, x.k_pe, x.kv_cache, x.slot_mapping,
+                                                   cache_format="bf16"), [x.kv_cache])
+
+    def rotary():
+        x = inputs()
+        return (lambda: mlakv.rotary_embedding(x.positions, x.q_pe, x.k_pe, x.cos_sin_cache),
+                [x.q_pe, x.k_pe])
+
+    def decode_q():
+        x = inputs()
+        return lambda: mlakv.decode_q_concat(x.ql_nope, x.q_pe, x.q_out), [x.q_out]
+
+    def norm():
+        x = inputs()
+        out = torch.zeros_like(x.kv_c)
+        return lambda: mlakv.rms_norm(x.kv_c, x.kv_norm_weight, out=out), [out]
+
+    def gathers(sequences):
+        x = inputs()
+        call_mla(mlakv.mla_rope_cache, x, "bf16")
+        torch.cuda.synchronize()
+        out = torch.zeros(8, cfg.L + cfg.R, device="cuda")
+        if not sequences:
+            return (lambda: mlakv.gather_cache_slots(x.kv_cache, x.slot_mapping, kv_lora_rank=cfg.L,
+                                                     cache_format="bf16", out=out), [out])
+        table = torch.arange(x.kv_cache.shape[0], dtype=torch.int32, device="cuda").view(1, -1)
+        cu = torch.tensor([0, 8], dtype=torch.int32, device="cuda")
+        return (lambda: mlakv.gather_cache_sequences(x.kv_cache, table, cu, 8, kv_lora_rank=cfg.L,
+                                                     cache_format="bf16", out=out), [out])
+
+    def quant(op):
+        g = torch.Generator().manual_seed(28)
+        q_c = torch.randn(8, 1536, generator=g).bfloat16().cuda()
+        kv_c = torch.randn(8, 512, generator=g).bfloat16().cuda()
+        w = (torch.rand(1536, generator=g) + 0.5).bfloat16().cuda()
+        values = torch.zeros(8, 1536, dtype=torch.float8_e4m3fn, device="cuda")
+        scales = torch.zeros(8, 12, device="cuda")
+        kv_out = torch.zeros_like(kv_c)
+        if op == "rmsnorm_quant":
+            return lambda: mlakv.rmsnorm_quant(q_c, w, out=values, scales=scales), [values, scales]
+        if op == "per_token_group_quant_fp8":
+            return (lambda: mlakv.per_token_group_quant_fp8(q_c, out=values, scales=scales),
+                    [values, scales])
+        return (lambda: mlakv.mla_rmsnorm_quant(q_c, w, kv_c, w[:512], q_out=values,
+                                                q_scales=scales, kv_c_out=kv_out),
+                [values, scales, kv_out])
+
+    return [("concat_and_cache_mla", concat), ("rotary_embedding", rotary),
+            ("decode_q_concat", decode_q), ("rms_norm", norm),
+            ("gather_cache_slots", lambda: gathers(False)),
+            ("gather_cache_sequences", lambda: gathers(True)),
+            ("rmsnorm_quant", lambda: quant("rmsnorm_quant")),
+            ("per_token_group_quant_fp8", lambda: quant("per_token_group_quant_fp8")),
+            ("mla_rmsnorm_quant", lambda: quant("mla_rmsnorm_quant"))]
+
+
+@requires_cuda
+@pytest.mark.parametrize("name,make", _stream_cases(), ids=lambda v: v if isinstance(v, str)
+                         else "")
+def test_cuda_ops_run_on_the_current_stream(name, make):
+    """Every op launches on torch's current stream: with that stream stalled, nothing is written
+    yet when the default stream reads the outputs; after it, the op has written."""
+    run, outputs = make()
+    untouched, written = _run_on_a_stalled_stream(run, outputs)
+    assert untouched, f"{name} wrote before its stream ran: launched on another stream"
+    assert written, f"{name} wrote nothing"
 
 
 @requires_cuda
