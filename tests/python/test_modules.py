@@ -271,20 +271,25 @@ def test_empty_batch():
     assert torch.equal(layer.kv_cache, cache)
 
 
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
 @pytest.mark.parametrize("fused", [True, False])
-def test_decode_step_compiles_without_graph_breaks(fused):
+def test_decode_step_compiles_without_graph_breaks(fused, backend):
     """torch.compile(fullgraph=True) of a decode-only step: no graph break (the absorbed q is copied
-    into q_out's nope part when compiled) and the eager step's output."""
+    into q_out's nope part when compiled), the eager step's output and the eager step's cache.
+    aot_eager also functionalizes the graph, so the ops' in-place writes (the cache, q_out) must
+    survive it as their schemas declare them."""
     layer = make_layer(fused=fused)
     engine = PagedEngine(layer)
     engine.step([], [(0, 5), (1, 3)])
     twin = copy.deepcopy(layer)
     inputs, eager = engine.step([0, 1], [])
+    assert not torch.equal(twin.kv_cache, layer.kv_cache)  # the step writes the cache
     torch._dynamo.reset()
-    compiled = torch.compile(twin, fullgraph=True, backend="eager")
+    compiled = torch.compile(twin, fullgraph=True, backend=backend)
     # The twin's cache is the layer's before this step: the same step gives the same output.
     got = compiled(**inputs)
     assert torch.equal(got, eager)
+    assert torch.equal(twin.kv_cache, layer.kv_cache)
 
 
 def test_padded_decode_row_attends_to_nothing():
