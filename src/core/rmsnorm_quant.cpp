@@ -68,11 +68,18 @@ class Validator {
   // The view's bytes fit below core::kMaxExtentBytes from its address (spans.h); sizes are checked
   // non-negative first, and the strides of dims of size > 1 positive, as for every op
   // (validate.cpp), even where the op reads one row only (T <= 1 of a tensor with padding rows).
+  // An empty view addresses nothing: its strides may be anything (column-major scales of 0 rows
+  // have the group stride 0, see column_major_scales_view).
   void check_extent(const std::string& arg, const TensorView& v) const {
+    bool empty = false;
     for (int d = 0; d < v.ndim; ++d) {
-      if (v.shape[d] < 0 || (v.shape[d] > 1 && v.stride[d] <= 0)) {
-        fail(arg,
-             "expected sizes >= 0 and positive strides (any on size-1 dims), got " + v.describe());
+      if (v.shape[d] < 0) fail(arg, "expected sizes >= 0, got " + v.describe());
+      empty = empty || v.shape[d] == 0;
+    }
+    for (int d = 0; d < v.ndim && !empty; ++d) {
+      if (v.shape[d] > 1 && v.stride[d] <= 0) {
+        fail(arg, "expected positive strides (any on size-1 dims or in an empty view), got " +
+                      v.describe());
       }
     }
     int64_t bytes = 0;
