@@ -125,7 +125,8 @@ class DeepseekV3MLAttention(nn.Module):
 
     def _apply(self, fn, recurse=True):
         """``.to(dtype)``, ``.half()``, ``.bfloat16()`` cast the weights but not the buffers of a
-        fixed dtype: those only follow a change of device."""
+        fixed dtype: those only follow a change of device. The config's dtype (the activations'
+        in forward) follows the weights."""
         kept = {name: self._buffers[name] for name in self._FIXED_DTYPE_BUFFERS
                 if self._buffers.get(name) is not None}
         super()._apply(fn, recurse)
@@ -133,6 +134,9 @@ class DeepseekV3MLAttention(nn.Module):
             new = self._buffers[name]
             if new.dtype != old.dtype:
                 self._buffers[name] = old.to(new.device)
+        weight_dtype = self.kv_b_proj.weight.dtype
+        if weight_dtype != self.config.dtype:
+            self.config = replace(self.config, dtype=weight_dtype)
         return self
 
     # ---- weights seen per head -----------------------------------------------------------------
@@ -283,9 +287,10 @@ class DeepseekV3MLAttention(nn.Module):
         if query_lens is None:
             query_lens = seq_lens_host
         query_lens = [int(n) for n in query_lens]
-        if len(query_lens) != len(seq_lens_host) or sum(query_lens) != q.shape[0]:
-            raise ValueError(f"prefill_query_lens: expected {len(seq_lens_host)} lengths adding up "
-                             f"to {q.shape[0]} prefill tokens, got {query_lens}")
+        if (len(query_lens) != len(seq_lens_host) or sum(query_lens) != q.shape[0]
+                or min(query_lens, default=0) < 0):
+            raise ValueError(f"prefill_query_lens: expected {len(seq_lens_host)} lengths >= 0 "
+                             f"adding up to {q.shape[0]} prefill tokens, got {query_lens}")
         ctx_lens = [s - n for s, n in zip(seq_lens_host, query_lens)]
         if min(ctx_lens, default=0) < 0:
             raise ValueError("seq_lens: each prefill sequence length must be >= its query length")

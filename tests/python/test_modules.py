@@ -234,6 +234,10 @@ def test_forward_rejects_bad_batches():
         layer(**{**inputs, "num_decode": 9})
     with pytest.raises(ValueError, match="prefill_query_lens"):
         layer(**{**inputs, "prefill_query_lens": [3]})
+    # Lengths of the right count and sum, each within its sequence, one of them negative.
+    inputs, _ = engine.step([], [(0, 2), (1, 2)])   # seq_lens [6, 2]
+    with pytest.raises(ValueError, match="prefill_query_lens"):
+        layer(**{**inputs, "prefill_query_lens": [5, -1]})
 
 
 @pytest.mark.parametrize("cache_format", ["bf16", "fp8_e4m3"])
@@ -255,6 +259,20 @@ def test_dtype_casts_keep_the_fixed_dtype_buffers(cache_format):
             assert (new is None) if old is None else (new.dtype == old.dtype), name
     assert layer.kv_a_layernorm.dtype == torch.float32  # the weights do follow
     assert torch.equal(layer.cos_sin_cache, before["cos_sin_cache"])  # the table's values kept
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_forward_after_a_dtype_cast(fused):
+    """layer.half() of a bf16 layer: the config's dtype follows the weights, and the layer runs
+    in fp16, prefill and decode, equal to the dense layer."""
+    layer = make_layer(fused=fused).half()
+    assert layer.config.dtype == torch.float16
+    engine = PagedEngine(layer)
+    for decode, prefill in SCENARIO[:3]:
+        _, out = engine.step(decode, prefill)
+        assert out.dtype == torch.float16
+    for seq in range(4):
+        engine.dense_check(seq, 2e-2)
 
 
 def test_empty_batch():
