@@ -315,6 +315,8 @@ def rotary_embedding(positions, query, key, cos_sin_cache, *, is_neox=False, hea
     """Reference of ``mlakv.rotary_embedding``."""
     T = positions.shape[0]
     rot = cos_sin_cache.shape[1]
+    if head_size is None:  # as the op: a 3-D query gives the head size of a 2-D key
+        head_size = query.shape[-1]
     cos, sin = cos_sin_rows(cos_sin_cache, positions[:T])
     for t in (query, key):
         if t is None:

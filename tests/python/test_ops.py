@@ -228,7 +228,7 @@ def test_fused_equals_unfused(cfg, fmt, device):
 
 # ---- the unfused primitives --------------------------------------------------------------------
 @pytest.mark.parametrize("is_neox", [False, True])
-@pytest.mark.parametrize("layout", ["3d", "2d", "partial"])
+@pytest.mark.parametrize("layout", ["3d", "2d", "partial", "3d_query_2d_key"])
 def test_rotary_embedding(is_neox, layout, device):
     g = torch.Generator().manual_seed(10)
     T, Hq, Hk, hs = 7, 5, 2, 96
@@ -239,15 +239,17 @@ def test_rotary_embedding(is_neox, layout, device):
     k = torch.randn(T, Hk, hs, generator=g).to(torch.bfloat16).to(device)
     if layout == "2d":
         q, k = q.view(T, Hq * hs), k.view(T, Hk * hs)
+    elif layout == "3d_query_2d_key":
+        k = k.view(T, Hk * hs)
     q2, k2 = q.clone(), k.clone()
     mlakv.rotary_embedding(positions, q, k, table, is_neox=is_neox, head_size=hs)
     ref.rotary_embedding(positions, q2, k2, table, is_neox=is_neox, head_size=hs)
     assert_bytes_equal(q, q2)
     assert_bytes_equal(k, k2)
-    if layout != "2d":  # 3-D heads give head_size: the default reads it from the query
+    if layout != "2d":  # a 3-D query gives head_size: the default reads it from the query
         q3, k3 = q2.clone(), k2.clone()
         mlakv.rotary_embedding(positions, q2, k2, table, is_neox=is_neox)
-        ref.rotary_embedding(positions, q3, k3, table, is_neox=is_neox, head_size=hs)
+        ref.rotary_embedding(positions, q3, k3, table, is_neox=is_neox)
         assert_bytes_equal(q2, q3)
         assert_bytes_equal(k2, k3)
 
