@@ -4,8 +4,10 @@
 For every workload and token count T, one table row per implementation: median time per call,
 spread (p10..p90), bytes moved, GB/s, % of copy (the time of a device-to-device copy of the same
 number of bytes, read + written, over the row's time: the roofline at that size, DESIGN.md), and
-the time of that row over the first (fused) row. Calls are captured in a CUDA graph (as engines run them)
-over rotating buffer sets larger than L2, so the times are the kernels' own, from DRAM.
+the time of that row over the first (fused) row. Calls are captured in a CUDA graph (as engines run them),
+whole rotations over buffer sets of more than 256 MiB where 1024 sets suffice, so the times are the
+kernels' own, from DRAM; the smallest rows (q_c, dual and mla_k at T = 1 and 8, whose 1024 sets
+hold less than about 64 MB) partly run from L2. The copy of a row rotates the same way.
 
 Workloads (DeepSeek-V3 shapes):
   q_c        x [T, 1536] bf16 -> e4m3 + scales (G = 128): q_a_layernorm before q_b_proj
@@ -32,43 +34,26 @@ import torch
 import torch.nn.functional as F
 
 import mlakv
-from mlakv.bench import copy_fns, graph_call_times
+from mlakv.bench import copy_bandwidth, graph_call_times, time_copy
 
 _ops = torch.ops.mlakv
 G = 128
 E4M3_MAX = 448.0
 ROTATION_BYTES = 256 << 20  # buffer sets cycled through per graph: more than the 60 MB of L2
+MAX_SETS = 1024
+
+
+def num_sets(bytes_per_set):
+    return max(1, min(MAX_SETS, math.ceil(ROTATION_BYTES / max(bytes_per_set, 1))))
 
 
 # ---- timing ------------------------------------------------------------------------------------
-def copy_bandwidth(device):
-    """Device-to-device copy bandwidth, bytes read + written per second (the roofline): the faster
-    of mlakv.bench.copy_fns over 1 GiB."""
-    n = 1 << 30
-    a = torch.zeros(n, dtype=torch.uint8, device=device)
-    b = torch.empty_like(a)
-    best = 0.0
-    for copy in copy_fns(a, b):
-        for _ in range(3):
-            copy()
-        times = []
-        for _ in range(10):
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            copy()
-            e.record()
-            e.synchronize()
-            times.append(s.elapsed_time(e) * 1e-3)
-        best = max(best, 2 * n / statistics.median(times))
-    return best
-
-
-def time_calls(make_call, num_sets, reps=20, replays=15):
-    """Seconds per call (median, p10, p90): `reps` calls cycling over `num_sets` buffer sets,
-    captured in one CUDA graph and timed inside it (mlakv.bench.graph_call_times), one value per
-    replay."""
+def time_calls(make_call, num_sets, min_calls=20, replays=15):
+    """Seconds per call (median, p10, p90): whole rotations over the `num_sets` buffer sets, at
+    least `min_calls` calls, captured in one CUDA graph and timed inside it
+    (mlakv.bench.graph_call_times), one value per replay."""
     calls = [make_call(i) for i in range(num_sets)]
-    per_call = sorted(graph_call_times([calls[r % num_sets] for r in range(reps)], replays))
+    per_call = sorted(graph_call_times(calls * math.ceil(min_calls / num_sets), replays))
     q = lambda f: per_call[min(len(per_call) - 1, int(f * len(per_call)))]
     return statistics.median(per_call), q(0.1), q(0.9)
 
@@ -97,9 +82,8 @@ def rnd(shape, device, scale=1.0):
 
 def q_sets(T, N, device, residual):
     bytes_per_set = T * N * (2 + 1 + 2 + (4 if residual else 0)) + T * (N // G) * 4
-    n = max(1, min(32, math.ceil(ROTATION_BYTES / max(bytes_per_set, 1))))
     sets = []
-    for _ in range(n):
+    for _ in range(num_sets(bytes_per_set)):
         sets.append(dict(
             x=rnd((T, N), device, 2.0), res=rnd((T, N), device) if residual else None,
             out=torch.empty(T, N, dtype=torch.float8_e4m3fn, device=device),
@@ -178,8 +162,10 @@ def workload_mla_k(T, device, compile_torch):
         s["pos"] = torch.arange(T, device=device)
         s["slots"] = torch.arange(T, device=device)
         s["cache"] = mlakv.allocate_cache(num_blocks, block_size, L, R, "bf16", device=device)
-    # q_c read + e4m3 + scales; kv_c, k_pe read; cache entry and normalized kv_c written.
-    moved = T * 1536 * 3 + T * 48 + T * (L + R) * 2 + T * (L + R) * 2 + T * L * 2
+    # q_c read + e4m3 + scales; kv_c, k_pe, positions and slots (int64) read; cache entry and
+    # normalized kv_c written; the weights. The cos/sin row is left out, as in `mlakv bench`.
+    moved = (T * 1536 * 3 + T * 48 + T * (L + R) * 2 + T * 16 + T * (L + R) * 2 + T * L * 2
+             + (1536 + L) * 2)
 
     def rope(s, kv, norm):
         mlakv.mla_rope_cache(s["pos"], s["slots"], cos_sin, kv, s["k_pe"], s["cache"],
@@ -195,17 +181,6 @@ def workload_mla_k(T, device, compile_torch):
             rope(s, s["kv_out"], False)),
     }
     return sets, moved, impls
-
-
-def copy_row(moved, device):
-    """A device-to-device copy of `moved` bytes (moved / 2 read, moved / 2 written): the faster of
-    mlakv.bench.copy_fns."""
-    half = max(16, (moved // 2 + 15) // 16 * 16)
-    n = max(1, min(32, math.ceil(ROTATION_BYTES / (2 * half))))
-    bufs = [(torch.zeros(half, dtype=torch.uint8, device=device),
-             torch.empty(half, dtype=torch.uint8, device=device)) for _ in range(n)]
-    return min((time_calls(lambda i, k=k: copy_fns(*bufs[i])[k], n) for k in range(2)),
-               key=lambda t: t[0])
 
 
 def check_equal(sets, impls, keys):
@@ -236,7 +211,7 @@ def main():
     args = parser.parse_args()
     device = torch.device("cuda")
     torch.manual_seed(0)
-    bw = copy_bandwidth(device)
+    bw = copy_bandwidth("cuda", 1 << 30) * 1e9
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {bw / 1e9:.0f} GB/s (read + write, "
           f"1 GiB); %copy below is against a copy of the same bytes")
     header = (f"{'workload':<8} {'T':>6} {'impl':<14} {'median_us':>10} {'p10..p90_us':>15} "
@@ -269,7 +244,8 @@ def main():
                 except Exception as e:  # a baseline that cannot run here (torch.compile, ...)
                     print(f"{wl:<8} {T:>6} {name:<14} failed: {type(e).__name__}: {e}")
             first = next(iter(times.values()))[0] if times else float("nan")
-            copy_s = copy_row(moved, device)[0]
+            # A copy of `moved` bytes (moved / 2 read, moved / 2 written), rotated as the rows.
+            copy_s = time_copy(moved, "cuda", 20, 15, sets=num_sets(moved))[0] * 1e-6
             for name, (med, p10, p90) in times.items():
                 gbs = moved / med / 1e9
                 row = dict(workload=wl, T=T, impl=name, median_us=med * 1e6, p10_us=p10 * 1e6,

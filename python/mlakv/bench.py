@@ -16,12 +16,17 @@ Every case does the decode-step work of one MLA layer for T tokens: RMSNorm of k
 
 "bytes" is what the fused op must move (inputs read, cache entries and q_out's rope part written);
 GB/s = bytes / time for every case, so the ratios compare times. On CUDA each timing replays a
-CUDA graph of ``--inner`` calls (launch overhead excluded, as in a captured decode step); on the
-CPU it loops. Median and spread (interquartile range, %) over ``--repeats`` timings.
+CUDA graph of whole rotations over N sets of the step's tensors, at least ``--inner`` calls
+(launch overhead excluded, as in a captured decode step); N x bytes > 200 MiB where 1024 sets
+suffice, so that the inputs come from DRAM, not from L2 (as in ``mlakv bench``; the "sets"
+column). The copy rotates over as many buffer pairs. On the CPU it loops over one set. Median
+and spread (interquartile range, %) over ``--repeats`` timings. Every case must be capturable,
+except the compile baseline, which is timed in eager launches where it is not (marked "e").
 """
 
 import argparse
 import json
+import math
 import statistics
 import time
 
@@ -30,6 +35,9 @@ import torch
 import mlakv
 from mlakv import reference as ref
 from mlakv.cache import canonical_format, is_per_tensor_fp8
+
+ROTATION_BYTES = 200 << 20  # the sets a CUDA timing cycles through: more than an H200's 60 MB L2
+MAX_SETS = 1024
 
 CONFIGS = {
     "deepseek_v3": dict(H=128, L=512, R=64),
@@ -43,7 +51,7 @@ CONFIGS = {
 class Step:
     """Tensors of one decode step of T tokens."""
 
-    def __init__(self, T, H, L, R, fmt, dtype, device, norm, seed=0):
+    def __init__(self, T, H, L, R, fmt, dtype, device, norm, seed=0, table=None):
         g = torch.Generator().manual_seed(seed)
         self.T, self.H, self.L, self.R, self.fmt, self.norm = T, H, L, R, fmt, norm
         block_size = 64
@@ -51,7 +59,8 @@ class Step:
         rnd = lambda *s: torch.randn(*s, generator=g).to(dtype).to(device)
         self.positions = torch.randint(0, 4096, (T,), generator=g).to(device)
         self.slots = torch.randperm(num_blocks * block_size, generator=g)[:T].to(device)
-        self.table = mlakv.yarn_cos_sin_cache(R, max_position=4096, device=device)
+        self.table = (mlakv.yarn_cos_sin_cache(R, max_position=4096, device=device)
+                      if table is None else table)
         self.kv_c, self.k_pe = rnd(T, L), rnd(T, R)
         self.weight = (1 + 0.1 * torch.randn(L, generator=g)).to(dtype).to(device)
         self.q_pe = rnd(T, H, R)
@@ -89,16 +98,28 @@ class Step:
                                    cache_format=self.fmt, kv_cache_scale=self.scale)
         mlakv.decode_q_concat(self.ql_nope, self.q_rot, self.q_out)
 
-    def torch_step(self):
-        """The plain-PyTorch step that torch.compile is timed on."""
-        kv_c = self.kv_c
-        if self.norm:
-            x = kv_c.float()
-            kv_c = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
-                    * self.weight.float()).to(kv_c.dtype)
-        cache = self.cache.view(mlakv.cache_latent_dtype(self.fmt))
-        ref.torch_mla_rope_cache_decode(self.positions, self.slots, self.table, kv_c, self.k_pe,
-                                        cache, self.q_pe, self.q_out, kv_cache_scale=self.scale)
+    def torch_args(self):
+        """The tensors of torch_step, which torch.compile is timed on."""
+        return (self.positions, self.slots, self.table, self.kv_c, self.k_pe,
+                self.cache.view(mlakv.cache_latent_dtype(self.fmt)), self.q_pe, self.q_out,
+                self.weight if self.norm else None, self.scale)
+
+
+def torch_step(positions, slots, table, kv_c, k_pe, cache, q_pe, q_out, weight, scale):
+    """The plain-PyTorch decode step (Step.torch_args), compiled once for all of a row's sets."""
+    if weight is not None:
+        x = kv_c.float()
+        kv_c = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+                * weight.float()).to(kv_c.dtype)
+    ref.torch_mla_rope_cache_decode(positions, slots, table, kv_c, k_pe, cache, q_pe, q_out,
+                                    kv_cache_scale=scale)
+
+
+def num_sets(nbytes, device):
+    """Sets a timing of a step of nbytes rotates over (1 on the CPU)."""
+    if device != "cuda":
+        return 1
+    return max(1, min(MAX_SETS, math.ceil(ROTATION_BYTES / max(nbytes, 1))))
 
 
 def graph_call_times(calls, replays, lead=1):
@@ -136,36 +157,42 @@ def graph_call_times(calls, replays, lead=1):
     return times
 
 
-def _timeit(fn, device, inner, repeats):
-    """Median and IQR spread (%) of the time of one call, in microseconds."""
+def _timeit(fns, device, inner, repeats, eager_fallback=False):
+    """Median and IQR spread (%) of the time of one call, in microseconds, and whether it was timed
+    in eager launches: whole rotations over `fns` (one call per set), at least `inner` calls a
+    timing. On CUDA a call that cannot be captured raises, unless `eager_fallback`."""
+    calls = fns * math.ceil(inner / len(fns))
+    eager = device != "cuda"
     if device == "cuda":
-        fn()
-        torch.cuda.synchronize()
         try:
-            times = [t * 1e6 for t in graph_call_times([fn] * inner, repeats)]
-        except Exception:  # a path that cannot be captured: time eager launches instead
-            times = []
-            for _ in range(repeats):
+            times = [t * 1e6 for t in graph_call_times(calls, repeats)]
+        except Exception:
+            if not eager_fallback:
+                raise
+            eager = True
+    if eager:
+        for fn in fns:
+            fn()
+        times = []
+        for _ in range(repeats):
+            if device == "cuda":
                 start = torch.cuda.Event(enable_timing=True)
                 end = torch.cuda.Event(enable_timing=True)
                 start.record()
-                for _ in range(inner):
+                for fn in calls:
                     fn()
                 end.record()
                 end.synchronize()
-                times.append(start.elapsed_time(end) * 1e3 / inner)
-    else:
-        fn()
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            for _ in range(inner):
-                fn()
-            times.append((time.perf_counter() - t0) * 1e6 / inner)
+                times.append(start.elapsed_time(end) * 1e3 / len(calls))
+            else:
+                t0 = time.perf_counter()
+                for fn in calls:
+                    fn()
+                times.append((time.perf_counter() - t0) * 1e6 / len(calls))
     times.sort()
     med = statistics.median(times)
     q1, q3 = times[len(times) // 4], times[(3 * len(times)) // 4]
-    return med, 100.0 * (q3 - q1) / med if med > 0 else 0.0
+    return med, 100.0 * (q3 - q1) / med if med > 0 else 0.0, eager and device == "cuda"
 
 
 def copy_fns(src, dst):
@@ -184,11 +211,12 @@ def _copy_buffers(nbytes, device):
     return src, torch.empty_like(src)
 
 
-def time_copy(nbytes, device, inner, repeats):
-    """(median us, spread %) of the faster of copy_fns for a copy moving nbytes."""
-    src, dst = _copy_buffers(nbytes, device)
-    return min((_timeit(fn, device, inner, repeats) for fn in copy_fns(src, dst)),
-               key=lambda t: t[0])
+def time_copy(nbytes, device, inner, repeats, sets=1):
+    """(median us, spread %) of the faster of copy_fns for a copy moving nbytes, rotating over
+    `sets` buffer pairs."""
+    pairs = [_copy_buffers(nbytes, device) for _ in range(sets)]
+    return min((_timeit([copy_fns(*pair)[k] for pair in pairs], device, inner, repeats)[:2]
+                for k in range(2)), key=lambda t: t[0])
 
 
 def copy_bandwidth(device, nbytes):
@@ -205,23 +233,30 @@ def run(args):
     peak = copy_bandwidth(device, args.peak_bytes)
     rows = []
     compiled_ok = fmt != "fp8_ds_mla" and not args.no_compile
+    table = mlakv.yarn_cos_sin_cache(cfg["R"], max_position=4096, device=device)
     for T in tokens:
-        step = Step(T, cfg["H"], cfg["L"], cfg["R"], fmt, dtype, device, not args.no_norm)
-        row = {"T": T, "bytes": step.bytes}
-        row["fused_us"], row["fused_spread"] = _timeit(step.fused, device, args.inner,
-                                                       args.repeats)
-        row["unfused_us"], row["unfused_spread"] = _timeit(step.unfused, device, args.inner,
-                                                           args.repeats)
+        first = Step(T, cfg["H"], cfg["L"], cfg["R"], fmt, dtype, device, not args.no_norm,
+                     table=table)
+        n = num_sets(first.bytes, device)
+        steps = [first] + [Step(T, cfg["H"], cfg["L"], cfg["R"], fmt, dtype, device,
+                                not args.no_norm, seed=i, table=table) for i in range(1, n)]
+        row = {"T": T, "bytes": first.bytes, "sets": n}
+        row["fused_us"], row["fused_spread"], _ = _timeit([s.fused for s in steps], device,
+                                                          args.inner, args.repeats)
+        row["unfused_us"], row["unfused_spread"], _ = _timeit([s.unfused for s in steps], device,
+                                                              args.inner, args.repeats)
         if compiled_ok:
             torch._dynamo.reset()
-            compiled = torch.compile(step.torch_step, dynamic=False)
-            row["compile_us"], row["compile_spread"] = _timeit(compiled, device, args.inner,
-                                                               args.repeats)
-        row["copy_us"], row["copy_spread"] = time_copy(step.bytes, device, args.inner,
-                                                       args.repeats)
+            compiled = torch.compile(torch_step, dynamic=False)
+            calls = [lambda a=s.torch_args(): compiled(*a) for s in steps]
+            row["compile_us"], row["compile_spread"], row["compile_eager"] = _timeit(
+                calls, device, args.inner, args.repeats, eager_fallback=True)
+        row["copy_us"], row["copy_spread"] = time_copy(first.bytes, device, args.inner,
+                                                       args.repeats, sets=n)
+        del steps, first
         for k in ("fused", "unfused", "compile", "copy"):
             if f"{k}_us" in row:
-                row[f"{k}_gbps"] = step.bytes / (row[f"{k}_us"] * 1e-6) / 1e9
+                row[f"{k}_gbps"] = row["bytes"] / (row[f"{k}_us"] * 1e-6) / 1e9
         rows.append(row)
         print_row(row, peak, header=len(rows) == 1, args=args, fmt=fmt)
     return {"device": _device_name(device), "config": args.config, "cache_format": fmt,
@@ -236,20 +271,21 @@ def _device_name(device):
 
 def print_row(row, peak, header, args, fmt):
     cols = ("T", "fused us", "+-%", "unfused us", "compile us", "copy us", "bytes", "fused GB/s",
-            "% copy peak", "unfused/fused", "compile/fused")
-    widths = (6, 10, 5, 11, 11, 9, 11, 11, 12, 14, 14)
+            "% copy peak", "unfused/fused", "compile/fused", "sets")
+    widths = (6, 10, 5, 11, 11, 9, 11, 11, 12, 14, 14, 5)
     if header:
         print(f"# mlakv decode step: {args.config}, cache {fmt}, {args.dtype}, "
               f"norm {'off' if args.no_norm else 'on'}, {_device_name(args.device)}; "
               f"copy peak {peak:.0f} GB/s")
         print(" ".join(c.rjust(w) for c, w in zip(cols, widths)))
     comp = row.get("compile_us")
+    comp_text = f"{comp:.2f}{'e' if row.get('compile_eager') else ''}" if comp else "n/a"
     vals = (str(row["T"]), f"{row['fused_us']:.2f}", f"{row['fused_spread']:.0f}",
-            f"{row['unfused_us']:.2f}", f"{comp:.2f}" if comp else "n/a",
+            f"{row['unfused_us']:.2f}", comp_text,
             f"{row['copy_us']:.2f}", str(row["bytes"]), f"{row['fused_gbps']:.1f}",
             f"{100 * row['fused_gbps'] / peak:.1f}",
             f"{row['unfused_us'] / row['fused_us']:.2f}",
-            f"{comp / row['fused_us']:.2f}" if comp else "n/a")
+            f"{comp / row['fused_us']:.2f}" if comp else "n/a", str(row["sets"]))
     print(" ".join(v.rjust(w) for v, w in zip(vals, widths)), flush=True)
 
 

@@ -700,6 +700,38 @@ def test_make_fx_symbolic_keeps_the_host_td_symbolic():
     assert_bytes_equal(x.kv_cache, y.kv_cache)
 
 
+def test_bench_timings_rotate_whole_sets(monkeypatch):
+    """The Python bench's CUDA timing captures whole rotations over a row's sets (at least
+    --inner calls) and refuses a call that cannot be captured, unless told to time it eagerly
+    (the compile baseline). graph_call_times is replaced, so this runs without a GPU."""
+    from mlakv import bench
+    captured = []
+
+    def fake_graph_call_times(calls, replays, lead=1):
+        captured.append(list(calls))
+        return [2e-6] * replays
+
+    monkeypatch.setattr(bench, "graph_call_times", fake_graph_call_times)
+    fns = [lambda: None for _ in range(7)]
+    med, spread, eager = bench._timeit(fns, "cuda", inner=20, repeats=3)
+    assert (med, spread, eager) == (2.0, 0.0, False)
+    assert captured[-1] == fns * 3
+    bench._timeit(fns[:1], "cuda", inner=20, repeats=3)
+    assert len(captured[-1]) == 20
+
+    def failing_capture(calls, replays, lead=1):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(bench, "graph_call_times", failing_capture)
+    with pytest.raises(RuntimeError, match="capturing"):
+        bench._timeit(fns, "cuda", inner=20, repeats=3)
+    # Sets: enough to exceed ROTATION_BYTES, at most MAX_SETS, one on the CPU.
+    assert bench.num_sets(297_230, "cuda") == -(-bench.ROTATION_BYTES // 297_230)
+    assert bench.num_sets(100, "cuda") == bench.MAX_SETS
+    assert bench.num_sets(1 << 30, "cuda") == 1
+    assert bench.num_sets(297_230, "cpu") == 1
+
+
 def test_bench_device_argument():
     """The Python bench's --device takes cpu, cuda or cuda:N and refuses anything else by name."""
     from mlakv import bench
