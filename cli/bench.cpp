@@ -236,12 +236,19 @@ int rotation_sets(const Timer& timer, int64_t bytes) {
              : std::min<int>(kMaxSets, static_cast<int>((rotation + bytes - 1) / bytes));
 }
 
+// Shared by every mla_rope_cache row: the YaRN cos/sin table, the fp8 scales and the error
+// counters. The host copies are what the reference reads and what the inputs are checked against
+// after the fused op (a read-back would let a fused op that wrote them agree with itself).
+struct SharedInputs {
+  Buffer table, cache_scale, q_scale, error_counts;
+  std::vector<uint8_t> table_host, cache_scale_host, q_scale_host;
+};
+
 // The buffers, params and ops of one mla_rope_cache (workload, T) row.
 class Row : public BenchRow {
  public:
   Row(const Workload& w, int64_t T, int64_t H, bool shared_indices, Timer& timer,
-      const Buffer& table, const Buffer& cache_scale, const Buffer& q_scale,
-      const Buffer& error_counts, int workload_index)
+      const SharedInputs& shared, int workload_index)
       : w_(w),
         T_(T),
         Td_(cli::decode_tokens(w.kind, T)),
@@ -249,10 +256,7 @@ class Row : public BenchRow {
         shared_indices_(shared_indices),
         device_(timer.device()),
         timer_(timer),
-        table_(table),
-        cache_scale_(cache_scale),
-        q_scale_(q_scale),
-        error_counts_(error_counts) {
+        shared_(shared) {
     bytes_ = fused_bytes(w, T, H);
     num_sets_ = rotation_sets(timer, bytes_);
     // Scattered slots over a cache twice as large as the tokens that write it: every set's tokens
@@ -293,7 +297,7 @@ class Row : public BenchRow {
 
   Op fused_op(int s) const override {
     const MlaRopeCacheParams params = fused_params(s);
-    int32_t* counts = error_counts_.as<int32_t>();
+    int32_t* counts = shared_.error_counts.as<int32_t>();
     const Timer* timer = &timer_;
     return [params, counts, timer](void* stream) {
       Context ctx = timer->context(stream);
@@ -339,7 +343,7 @@ class Row : public BenchRow {
       q_params.ql_nope = make_view(in.ql_nope.data(), kModel, {Td_, H_, kL}, device_);
       q_params.q_pe = decode_q_pe_view(in);
       q_params.q_out = make_view(in.q_out.data(), w_.q_out_dtype, {Td_, H_, kL + kR}, device_);
-      if (is_float8(w_.q_out_dtype)) q_params.q_scale = q_scale_.as<float>();
+      if (is_float8(w_.q_out_dtype)) q_params.q_scale = shared_.q_scale.as<float>();
     }
     Op q_copy;
     if (Td_ > 0 && w_.nope_in_q_out) {
@@ -348,7 +352,7 @@ class Row : public BenchRow {
                                  in.q_pe.data(), kR * kModelBytes, kR * kModelBytes,
                                  static_cast<size_t>(Td_ * H_));
     }
-    int32_t* counts = error_counts_.as<int32_t>();
+    int32_t* counts = shared_.error_counts.as<int32_t>();
     const bool kv_norm = w_.kv_norm;
     const Timer* timer = &timer_;
     return [rope, norm, kv_norm, concat, q_concat, q_params, q_copy, counts, timer](void* stream) {
@@ -381,7 +385,7 @@ class Row : public BenchRow {
         row_label(w_, T_) + (s == 0 ? std::string() : " set " + std::to_string(s));
     InputSet& in = sets_[s];
     const InputSet& idx = indices_of(s);
-    reset_error_counts(error_counts_.as<int32_t>(), device_);
+    reset_error_counts(shared_.error_counts.as<int32_t>(), device_);
 
     poison_outputs(in);
     fused_op(s)(nullptr);
@@ -389,14 +393,26 @@ class Row : public BenchRow {
     const std::vector<uint8_t> cache_fused = cache_.download();
     const std::vector<uint8_t> q_out_fused = Td_ > 0 ? in.q_out.download() : std::vector<uint8_t>();
     const std::vector<uint8_t> q_fused = has_q() ? in.q.download() : std::vector<uint8_t>();
-    // The fused op writes none of its inputs (q's rope part is the in-place output, compared
-    // below).
+    // The fused op writes none of its inputs (q's prefill rows are its in-place output, compared
+    // below; a mixed row's decode rows of q hold its q_pe).
+    expect_unchanged(label, "cos_sin_cache", shared_.table, shared_.table_host);
+    if (is_float8(w_.q_out_dtype)) {
+      expect_unchanged(label, "q_scale", shared_.q_scale, shared_.q_scale_host);
+    }
+    if (cache_is_per_tensor_fp8(w_.cache_format)) {
+      expect_unchanged(label, "kv_cache_scale", shared_.cache_scale, shared_.cache_scale_host);
+    }
     expect_unchanged(label, "positions", idx.positions, idx.host.positions);
     expect_unchanged(label, "slot_mapping", idx.slots, idx.host.slots);
     expect_unchanged(label, "kv_c", in.kv_c, in.host.kv_c);
     expect_unchanged(label, "k_pe", in.k_pe, in.host.k_pe);
     expect_unchanged(label, "q_pe", in.q_pe, in.host.q_pe);
     expect_unchanged(label, "ql_nope", in.ql_nope, in.host.ql_nope);
+    const size_t q_row_bytes = static_cast<size_t>(H_ * (kP + kR) * kModelBytes);
+    if (has_q() && Td_ > 0) {
+      expect_same(label, "q (decode rows)", "its upload", q_fused, in.host.q, 0,
+                  static_cast<size_t>(Td_) * q_row_bytes);
+    }
 
     restore_inputs(in);
     poison_outputs(in);
@@ -410,14 +426,13 @@ class Row : public BenchRow {
     if (has_q()) {
       // The unfused path also rotates the decode rows of q in place (the fused op reads them as
       // q_pe): compare the prefill rows only.
-      const size_t row_bytes = static_cast<size_t>(H_ * (kP + kR) * kModelBytes);
       expect_same(label, "q (prefill rows)", "unfused", q_fused, in.q.download(),
-                  static_cast<size_t>(Td_) * row_bytes, static_cast<size_t>(T_) * row_bytes);
+                  static_cast<size_t>(Td_) * q_row_bytes, static_cast<size_t>(T_) * q_row_bytes);
     }
     restore_inputs(in);
 
     int32_t counts[kNumErrorCounters] = {};
-    read_error_counts(error_counts_.as<int32_t>(), device_, counts, nullptr,
+    read_error_counts(shared_.error_counts.as<int32_t>(), device_, counts, nullptr,
                       /*throw_if_nonzero=*/true);
 
     if (!with_reference) return;
@@ -426,10 +441,9 @@ class Row : public BenchRow {
     std::vector<uint8_t> q_ref = in.host.q;
     std::vector<uint8_t> q_pe_ref = in.host.q_pe;
     std::vector<uint8_t> k_pe_ref = in.host.k_pe;
-    const std::vector<uint8_t> table_host = table_.download();
     const float cache_scale = kFp8CacheScale;
     float q_scale = 1.0f;
-    std::memcpy(&q_scale, q_scale_.download().data(), sizeof(q_scale));
+    std::memcpy(&q_scale, shared_.q_scale_host.data(), sizeof(q_scale));
     MlaRopeCacheParams p = fused_params(s);
     const Device host{DeviceType::kCPU, 0};
     auto rebase = [&](TensorView& v, void* data) {
@@ -439,7 +453,7 @@ class Row : public BenchRow {
     };
     rebase(p.positions, const_cast<uint8_t*>(idx.host.positions.data()));
     rebase(p.slot_mapping, const_cast<uint8_t*>(idx.host.slots.data()));
-    rebase(p.cos_sin_cache, const_cast<uint8_t*>(table_host.data()));
+    rebase(p.cos_sin_cache, const_cast<uint8_t*>(shared_.table_host.data()));
     rebase(p.kv_c, in.host.kv_c.data());
     rebase(p.kv_norm_weight, norm_weight_host_.data());
     rebase(p.k_pe, k_pe_ref.data());
@@ -520,7 +534,7 @@ class Row : public BenchRow {
   }
 
   TensorView table_view() const {
-    return make_view(table_.data(), DType::kFloat32, {kMaxPos, kR}, device_);
+    return make_view(shared_.table.data(), DType::kFloat32, {kMaxPos, kR}, device_);
   }
 
   // The set whose positions and slot_mapping set s reads: itself, or set 0 (shared_indices_).
@@ -535,7 +549,7 @@ class Row : public BenchRow {
     KVCacheView v =
         make_cache_view(cache_.as<uint8_t>() + static_cast<size_t>(s) * cache_set_stride_,
                         w_.cache_format, num_blocks_, kBlockSize, kL, kR, device_);
-    if (cache_is_per_tensor_fp8(w_.cache_format)) v.scale = cache_scale_.as<float>();
+    if (cache_is_per_tensor_fp8(w_.cache_format)) v.scale = shared_.cache_scale.as<float>();
     return v;
   }
 
@@ -574,7 +588,7 @@ class Row : public BenchRow {
         p.ql_nope = make_view(in.ql_nope.data(), kModel, {Td_, H_, kL}, device_);
       }
       p.q_out = make_view(in.q_out.data(), w_.q_out_dtype, {Td_, H_, kL + kR}, device_);
-      if (is_float8(w_.q_out_dtype)) p.q_scale = q_scale_.as<float>();
+      if (is_float8(w_.q_out_dtype)) p.q_scale = shared_.q_scale.as<float>();
     }
     if (has_q()) p.q = make_view(in.q.data(), kModel, {T_, H_, kP + kR}, device_);
     return p;
@@ -589,10 +603,7 @@ class Row : public BenchRow {
   bool shared_indices_;
   Device device_;
   Timer& timer_;
-  const Buffer& table_;
-  const Buffer& cache_scale_;
-  const Buffer& q_scale_;
-  const Buffer& error_counts_;
+  const SharedInputs& shared_;
   int64_t bytes_ = 0;
   int num_sets_ = 1;
   int64_t num_blocks_ = 0;       // of one cache view
@@ -936,6 +947,14 @@ int run_bench(const BenchOptions& options) {
     }
   }
 
+  // Opened before anything is timed: a path that cannot be written fails now, not after the run.
+  std::ofstream json_file;
+  if (!options.json_path.empty()) {
+    json_file.open(options.json_path);
+    MLAKV_CHECK(json_file.good(), "bench: --json: cannot open '", options.json_path,
+                "' for writing");
+  }
+
   Progress progress;
   progress.show("measuring copy bandwidth...");
   const size_t roofline_bytes = on_cuda ? (size_t{1} << 30) : (size_t{256} << 20);
@@ -950,30 +969,43 @@ int run_bench(const BenchOptions& options) {
   const Timing floor = timer->time({timer->empty_op()});
   progress.clear();
 
-  // Shared by every row: the YaRN cos/sin table, the fp8 scales and the error counters.
-  Buffer table(device, static_cast<size_t>(kMaxPos * kR) * sizeof(float));
+  // Shared by every mla_rope_cache row: the YaRN cos/sin table, the fp8 scales and the error
+  // counters.
+  SharedInputs shared;
   {
     YarnRopeConfig yarn;
     yarn.rotary_dim = kR;
-    std::vector<uint8_t> host(table.bytes());
-    round_table(yarn_cos_sin_table(yarn), DType::kFloat32, host.data());
     MLAKV_CHECK(yarn.max_position() == kMaxPos, "bench: YaRN table has ", yarn.max_position(),
                 " positions, expected ", kMaxPos);
-    table.upload(host);
+    shared.table_host.resize(static_cast<size_t>(kMaxPos * kR) * sizeof(float));
+    round_table(yarn_cos_sin_table(yarn), DType::kFloat32, shared.table_host.data());
+    auto float_bytes = [](float v) {
+      std::vector<uint8_t> bytes(sizeof(v));
+      std::memcpy(bytes.data(), &v, sizeof(v));
+      return bytes;
+    };
+    shared.cache_scale_host = float_bytes(kFp8CacheScale);
+    shared.q_scale_host = float_bytes(options.q_scale);
+    auto upload = [&](const std::vector<uint8_t>& host) {
+      Buffer buffer(device, host.size());
+      buffer.upload(host);
+      return buffer;
+    };
+    shared.table = upload(shared.table_host);
+    shared.cache_scale = upload(shared.cache_scale_host);
+    shared.q_scale = upload(shared.q_scale_host);
   }
-  Buffer cache_scale(device, sizeof(float));
-  cache_scale.upload(&kFp8CacheScale, sizeof(float));
-  Buffer q_scale(device, sizeof(float));
-  q_scale.upload(&options.q_scale, sizeof(float));
-  Buffer error_counts(device, kNumErrorCounters * sizeof(int32_t));
-  reset_error_counts(error_counts.as<int32_t>(), device);
+  shared.error_counts = Buffer(device, kNumErrorCounters * sizeof(int32_t));
+  reset_error_counts(shared.error_counts.as<int32_t>(), device);
 
   std::printf("mlakv bench: %s\n", device_text.c_str());
   std::printf(
       "DeepSeek-V3: H %lld%s, L %lld, R %lld, P %lld, GPT-J RoPE (YaRN table, %lld "
       "positions), bf16 model dtype, block size %lld, scattered slots, fp8 q_out scale %g\n",
       static_cast<long long>(options.heads),
-      options.heads == kModelHeads ? "" : " (--heads: a shard of the model's 128)",
+      options.heads == kModelHeads  ? ""
+      : options.heads < kModelHeads ? " (--heads: a shard of the model's 128)"
+                                    : " (--heads: more than the model's 128)",
       static_cast<long long>(kL), static_cast<long long>(kR), static_cast<long long>(kP),
       static_cast<long long>(kMaxPos), static_cast<long long>(kBlockSize),
       static_cast<double>(options.q_scale));
@@ -1026,8 +1058,8 @@ int run_bench(const BenchOptions& options) {
       if (w->kind == Kind::kNormQuant || w->kind == Kind::kDualNorm) {
         row = std::make_unique<NormRow>(*w, T, *timer, workload_index);
       } else {
-        row = std::make_unique<Row>(*w, T, options.heads, options.shared_indices, *timer, table,
-                                    cache_scale, q_scale, error_counts, workload_index);
+        row = std::make_unique<Row>(*w, T, options.heads, options.shared_indices, *timer, shared,
+                                    workload_index);
       }
       std::string check = "skipped";
       if (!options.skip_check) {
@@ -1114,10 +1146,9 @@ int run_bench(const BenchOptions& options) {
         {"launch_floor", timing_json(floor)},
         {"pdl", timer->pdl()},
         {"rows", rows}};
-    std::ofstream file(options.json_path);
-    MLAKV_CHECK(file.good(), "bench: --json: cannot open '", options.json_path, "' for writing");
-    file << out.dump(2) << "\n";
-    MLAKV_CHECK(file.good(), "bench: --json: writing '", options.json_path, "' failed");
+    json_file << out.dump(2) << "\n";
+    json_file.flush();
+    MLAKV_CHECK(json_file.good(), "bench: --json: writing '", options.json_path, "' failed");
   }
   return 0;
 }

@@ -1,12 +1,31 @@
 // mlakv: the command-line tool. `mlakv info | check | bench`.
 #include <CLI/CLI.hpp>
+#include <cfloat>
+#include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <exception>
+#include <string>
 
 #include "commands.h"
 #include "mlakv/mlakv.h"
 
 namespace {
+
+// A float option that must be finite and at least FLT_MIN: CLI::PositiveNumber lets NaN through
+// (it fails no comparison), and a value past FLT_MAX would become inf as a float.
+const CLI::Validator kPositiveNormalFloat(
+    [](std::string& text) {
+      char* end = nullptr;
+      const float v = std::strtof(text.c_str(), &end);
+      if (end == text.c_str() || *end != '\0' || !std::isfinite(v) || v < FLT_MIN) {
+        char min[32];
+        std::snprintf(min, sizeof(min), "%g", static_cast<double>(FLT_MIN));
+        return "expected a finite float of at least " + std::string(min) + ", got " + text;
+      }
+      return std::string();
+    },
+    "FLOAT > 0");
 
 // Builds the options and runs the chosen command; main turns what it throws (mlakv::Error, and
 // anything the option setup itself could throw) into exit status 2.
@@ -77,7 +96,7 @@ int run(int argc, char** argv) {
   bench
       ->add_option("--q-scale", bench_options.q_scale,
                    "The fp8 q_out workloads' q_scale (the scale q_out is quantized by)")
-      ->check(CLI::PositiveNumber)
+      ->check(kPositiveNormalFloat)
       ->capture_default_str();
   bench
       ->add_option("--heads", bench_options.heads,

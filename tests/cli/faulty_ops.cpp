@@ -10,8 +10,9 @@
 //           gather_cache_sequences (the library), ref.mla_rope_cache, ref.rmsnorm_quant,
 //           ref.rms_norm, ref.gather_cache_slots (the host reference)
 //     what  a buffer of the op's params (named as in its struct; mla_rope_cache:
-//           kv_cache.rope_data for a split cache's rope part; mla_rmsnorm_quant: kv_c and kv_c_out
-//           for its kv half, else its q half's names): one byte of it is flipped after the op ran
+//           kv_cache.rope_data for a split cache's rope part, kv_cache.scale and q_scale for its
+//           scales; mla_rmsnorm_quant: kv_c and kv_c_out for its kv half, else its q half's
+//           names): one byte of it is flipped after the op ran
 //           (its first byte, its last with `:last`, or with `:past` the byte after its last:
 //           outside the view, and for a cache or a view of unpadded rows outside its buffer, which
 //           only `check`'s library runs may be asked for: their buffers have guard bytes);
@@ -208,6 +209,12 @@ void corrupt(const char* op, const mlakv::MlaRopeCacheParams& p, int32_t* error_
   if (w == "kv_cache") return flip(p.kv_cache);
   if (w == "kv_cache.rope_data") return flip_rope_part(p.kv_cache);
   if (w == "counter") return bump_counter(error_counts);
+  if (w == "q_scale" || w == "kv_cache.scale") {
+    // The op's scale floats; a case without one runs unchanged.
+    const float* scale = w == "q_scale" ? p.q_scale : p.kv_cache.scale;
+    if (scale != nullptr) flip(const_cast<float*>(scale), fault().last ? 3 : 0);
+    return;
+  }
   if (w == "num_decode_tokens_device") {
     // Only the cases with a device Td have one; the others run unchanged.
     if (p.num_decode_tokens_device != nullptr) {
