@@ -18,9 +18,11 @@ namespace mlakv {
 namespace torch_binding {
 namespace {
 
-int64_t token_count(const std::optional<int64_t>& num_tokens, const at::Tensor& input) {
+// T: num_tokens when given, else the rows of `input` (the argument `name` of `op`).
+int64_t token_count(const char* op, const char* name, const std::optional<int64_t>& num_tokens,
+                    const at::Tensor& input) {
   if (num_tokens.has_value()) return *num_tokens;
-  TORCH_CHECK(input.dim() >= 1, "mlakv: input: expected a [T, N] tensor, got shape ",
+  TORCH_CHECK(input.dim() >= 1, "mlakv: ", op, ": ", name, ": expected a [T, N] tensor, got shape ",
               input.sizes());
   return input.size(0);
 }
@@ -68,7 +70,7 @@ void rmsnorm_quant_op(const at::Tensor& input, const at::Tensor& weight, double 
   translate_errors(kQuantNames, [&] {
     Env env("input", input, std::nullopt);
     RmsNormQuantParams p;
-    p.num_tokens = token_count(num_tokens, input);
+    p.num_tokens = token_count("rmsnorm_quant", "input", num_tokens, input);
     p.input = to_view("input", input);
     p.weight = to_view("weight", weight);
     p.eps = static_cast<float>(eps);
@@ -89,14 +91,14 @@ void mla_rmsnorm_quant_op(const at::Tensor& q_c, const at::Tensor& q_weight, dou
   translate_errors(kDualNames, [&] {
     Env env("q_c", q_c, std::nullopt);
     MlaRmsNormQuantParams p;
-    p.q.num_tokens = token_count(num_tokens, q_c);
+    p.q.num_tokens = token_count("mla_rmsnorm_quant", "q_c", num_tokens, q_c);
     p.q.input = to_view("q_c", q_c);
     p.q.weight = to_view("q_weight", q_weight);
     p.q.eps = static_cast<float>(q_eps);
     p.q.normed_out = to_view("q_normed_out", q_normed_out);
     p.q.residual = to_view("q_residual", q_residual);
     p.q.quant = quant_output(q_out, q_scales, group_size, scale_floor, pow2_scale);
-    p.kv.num_tokens = token_count(num_tokens, kv_c);
+    p.kv.num_tokens = token_count("mla_rmsnorm_quant", "kv_c", num_tokens, kv_c);
     p.kv.input = to_view("kv_c", kv_c);
     p.kv.weight = to_view("kv_weight", kv_weight);
     p.kv.eps = static_cast<float>(kv_eps);
@@ -112,7 +114,7 @@ void per_token_group_quant_fp8_op(const at::Tensor& input, at::Tensor& out, at::
   translate_errors(kQuantNames, [&] {
     Env env("input", input, std::nullopt);
     PerTokenGroupQuantParams p;
-    p.num_tokens = token_count(num_tokens, input);
+    p.num_tokens = token_count("per_token_group_quant_fp8", "input", num_tokens, input);
     p.input = to_view("input", input);
     p.quant = quant_output(out, scales, group_size, scale_floor, pow2_scale);
     per_token_group_quant_fp8(p, env.ctx);

@@ -10,7 +10,7 @@ a traced graph fails where eager would.
 
 import torch
 
-from mlakv.cache import gather_row_width, is_per_tensor_fp8
+from mlakv.cache import canonical_format, gather_row_width, is_per_tensor_fp8, op_errors
 
 
 def _one_device(op, args):
@@ -42,16 +42,24 @@ def _index_tensor(name, t, dims, dtypes):
 
 def _gather_checks(op, kv_cache, cache_format, kv_cache_scale, kv_cache_rope, index_tensors,
                    kv_lora_rank, out_dtype):
-    # The real op's rejections that need no data: devices, index tensors, the cache's layout
-    # (with out_dtype, gather_row_width) and a scale on a format that takes none.
+    # The real op's rejections that need no data: devices, index tensors, the format (its name;
+    # "auto" from a typed cache), the cache's layout (with out_dtype, gather_row_width) and the
+    # scale (float32, at least one element, on a format that takes one).
     _one_device(op, (kv_cache, kv_cache_scale, kv_cache_rope) + tuple(t for t, _, _ in
                                                                      index_tensors))
     for t, name, (dims, dtypes) in index_tensors:
         _index_tensor(name, t, dims, dtypes)
-    width = gather_row_width(kv_cache, cache_format, kv_lora_rank, kv_cache_rope, out_dtype)
-    if kv_cache_scale is not None and not is_per_tensor_fp8(cache_format):
-        raise RuntimeError(f"mlakv: kv_cache: a scale is taken by the per-tensor fp8 formats "
-                           f"only, got one for a {cache_format} cache")
+    with op_errors():
+        fmt = canonical_format(cache_format, kv_cache)
+    width = gather_row_width(kv_cache, fmt, kv_lora_rank, kv_cache_rope, out_dtype)
+    if kv_cache_scale is not None:
+        if kv_cache_scale.dtype != torch.float32 or kv_cache_scale.numel() < 1:
+            raise RuntimeError(f"mlakv: kv_cache_scale: expected a float32 scale tensor of at "
+                               f"least one element, got {kv_cache_scale.dtype} of shape "
+                               f"{list(kv_cache_scale.shape)}")
+        if not is_per_tensor_fp8(fmt):
+            raise RuntimeError(f"mlakv: kv_cache: a scale is taken by the per-tensor fp8 formats "
+                               f"only, got one for a {fmt} cache")
     return width
 
 

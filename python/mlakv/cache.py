@@ -122,9 +122,10 @@ def cache_latent_width(kv_cache: torch.Tensor, cache_format: str, kv_lora_rank: 
                        kv_cache_rope: Optional[torch.Tensor] = None) -> int:
     """L + R of a cache tensor: the width of one gathered row. Raises ValueError for a cache the
     ops reject by its layout alone (the binding's and the core's rules that need no data): not 3
-    dims, an entry that is not contiguous, an element type that is neither uint8 nor the
-    format's own, byte entries that do not hold whole values, a split fp8_ds_mla cache or one
-    with another L than 512, an entry narrower than L, and an L or R outside what every op
+    dims, an entry that is not contiguous, a negative stride, an element type that is neither
+    uint8 nor the format's own, byte entries that do not hold whole values, a split fp8_ds_mla
+    cache, one with another L than 512 or entries of other than 656 bytes, a rope part of other
+    blocks than the latent part's, an entry narrower than L, and an L or R outside what every op
     accepts."""
     fmt = canonical_format(cache_format, kv_cache)
     for name, t in (("kv_cache", kv_cache), ("kv_cache_rope", kv_cache_rope)):
@@ -136,6 +137,8 @@ def cache_latent_width(kv_cache: torch.Tensor, cache_format: str, kv_lora_rank: 
         if t.shape[2] > 1 and t.stride(2) != 1:
             raise ValueError(f"{name}: expected a contiguous entry (innermost stride 1), got "
                              f"strides {list(t.stride())}")
+        if t.stride(0) < 0 or t.stride(1) < 0:
+            raise ValueError(f"{name}: expected non-negative strides, got {list(t.stride())}")
         if t.dtype != torch.uint8 and (fmt == "fp8_ds_mla" or t.dtype != _LATENT_DTYPE[fmt]):
             own = "" if fmt == "fp8_ds_mla" else f" or {_LATENT_DTYPE[fmt]}"
             raise ValueError(f"{name}: a {fmt} cache is a uint8{own} tensor, got {t.dtype}")
@@ -146,6 +149,10 @@ def cache_latent_width(kv_cache: torch.Tensor, cache_format: str, kv_lora_rank: 
             raise ValueError(f"kv_cache: fp8_ds_mla needs L = {DS_MLA_LATENT_DIM} and R = "
                              f"{DS_MLA_ROPE_DIM}, got L = {kv_lora_rank}, R = {DS_MLA_ROPE_DIM} "
                              f"(L from kv_lora_rank)")
+        entry_bytes = kv_cache.shape[2] * kv_cache.element_size()
+        if entry_bytes != DS_MLA_ENTRY_BYTES:
+            raise ValueError(f"kv_cache: an fp8_ds_mla entry is {DS_MLA_ENTRY_BYTES} bytes, got "
+                             f"{entry_bytes} bytes per entry")
         return DS_MLA_LATENT_DIM + DS_MLA_ROPE_DIM
     elem = _LATENT_DTYPE[fmt].itemsize
 
@@ -158,6 +165,9 @@ def cache_latent_width(kv_cache: torch.Tensor, cache_format: str, kv_lora_rank: 
 
     latent = values("kv_cache", kv_cache)
     if kv_cache_rope is not None:
+        if tuple(kv_cache_rope.shape[:2]) != tuple(kv_cache.shape[:2]):
+            raise ValueError(f"kv_cache_rope: expected [{kv_cache.shape[0]}, {kv_cache.shape[1]}, "
+                             f"R] like kv_cache, got shape {list(kv_cache_rope.shape)}")
         if kv_lora_rank >= 0 and kv_lora_rank != latent:
             raise ValueError(f"kv_cache: expected a latent part of {kv_lora_rank} values (L, from "
                              f"kv_lora_rank), got {latent}")

@@ -589,12 +589,35 @@ def test_errors_name_the_torch_arguments(device):
         ("mla_rmsnorm_quant: kv_c: expected dtype bfloat16 \\(the dtype of q_c\\)",
          lambda: mlakv.mla_rmsnorm_quant(x, w, x.half(), w.half(), q_out=out, q_scales=scales)),
     ]
+    # The binding's own check of T, before the core: a 0-dim q_c or kv_c (the row count).
+    scalar = torch.tensor(1.0, device=device).bfloat16()
+    kv_c_out = torch.zeros(4, 512, dtype=torch.bfloat16, device=device)
+    cases += [
+        ("^mlakv: mla_rmsnorm_quant: kv_c: expected a \\[T, N\\] tensor, got shape \\[\\]",
+         lambda: mlakv.mla_rmsnorm_quant(x, w, scalar, w, q_out=out, q_scales=scales,
+                                         kv_c_out=kv_c_out)),
+        ("^mlakv: mla_rmsnorm_quant: q_c: expected a \\[T, N\\] tensor, got shape \\[\\]",
+         lambda: torch.ops.mlakv.mla_rmsnorm_quant(scalar, w, 1e-6, out, scales, x, w, 1e-6,
+                                                   kv_c_out)),
+    ]
     for pattern, call in cases:
         with pytest.raises(RuntimeError, match=pattern) as e:
             call()
         first = str(e.value).splitlines()[0]
         assert "quant." not in first and "q." not in first and "kv." not in first, first
     assert not out.view(torch.uint8).any() and bool((scales == -7.0).all())
+    assert not kv_c_out.any()
+    # An unknown cache format is the cache_format argument's error, listing every name taken.
+    y = make_mla_inputs(TP8, "bf16", T=4, device=device)
+    before = y.kv_cache.clone()
+    for call in (lambda: torch.ops.mlakv.concat_and_cache_mla(
+                     y.kv_c, y.k_pe, y.kv_cache, y.slot_mapping, "bfloat16", None, None, None),
+                 lambda: call_mla(mlakv.mla_rope_cache, y, "bfloat16")):
+        with pytest.raises(RuntimeError, match='^mlakv: cache_format: expected one of bf16, fp16, '
+                                               'fp32, fp8_e4m3, fp8_e5m2, fp8_ds_mla, fp8 or '
+                                               'auto, got "bfloat16"'):
+            call()
+    assert torch.equal(y.kv_cache, before)
     # The cache's scale, named by the core as part of kv_cache, is the kv_cache_scale argument.
     cfg = TP8
     x = make_mla_inputs(cfg, "fp8_e4m3", T=4, device=device)

@@ -285,9 +285,11 @@ def test_fake_kernels_reject_what_the_gathers_reject():
 
 def test_fake_kernels_reject_the_layouts_the_gathers_reject():
     """Index tensors of the wrong rank or dtype, a cache that does not fit its format or L (R = 0,
-    byte entries of no whole values, a strided entry, a split fp8_ds_mla cache), and a scale on a
-    format that takes none: the functional gathers' fake kernels raise a RuntimeError naming the
-    same argument as the real op (eager), each case checked against eager first."""
+    byte entries of no whole values, a strided entry, a split fp8_ds_mla cache, fp8_ds_mla entries
+    of other than 656 bytes, a rope part of other blocks), and a scale on a format that takes none
+    or that is not one float32: the functional gathers' fake kernels raise a RuntimeError naming
+    the same argument as the real op (eager), each case checked against eager first. A typed fp8
+    cache under "auto" with a scale is accepted by both."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     cfg = TP8
     ds = mlakv.allocate_cache(4, 4, 512, 64, "fp8_ds_mla")
@@ -299,6 +301,10 @@ def test_fake_kernels_reject_the_layouts_the_gathers_reject():
     odd_bytes = torch.zeros(4, 4, 2 * (cfg.L + cfg.R) + 1, dtype=torch.uint8)
     strided = torch.zeros(4, cfg.L + cfg.R, 4, dtype=torch.bfloat16).transpose(1, 2)
     ds_rope = torch.zeros(4, 4, 128, dtype=torch.uint8)
+    ds_short = torch.zeros(4, 4, 600, dtype=torch.uint8)
+    latent = torch.zeros(4, 4, cfg.L, dtype=torch.bfloat16)
+    rope_3_blocks = torch.zeros(3, 4, cfg.R, dtype=torch.bfloat16)
+    fp8 = mlakv.allocate_cache(4, 4, cfg.L, cfg.R, "fp8_e4m3", typed=True)
     slot_cases = [  # (cache, format, scale, rope part, slots, L, what the message names)
         (ds, "fp8_ds_mla", None, None, slots.view(2, 3), 512, "slots"),
         (ds, "fp8_ds_mla", None, None, slots.float(), 512, "slots"),
@@ -312,6 +318,10 @@ def test_fake_kernels_reject_the_layouts_the_gathers_reject():
         (odd_bytes, "bf16", None, None, slots, cfg.L, "kv_cache"),
         (strided, "bf16", None, None, slots, cfg.L, "kv_cache"),
         (bf16, "bf16", scale, None, slots, cfg.L, "scale"),
+        (ds_short, "fp8_ds_mla", None, None, slots, 512, "kv_cache"),
+        (latent, "bf16", None, rope_3_blocks, slots, cfg.L, "kv_cache_rope"),
+        (fp8, "fp8_e4m3", scale.half(), None, slots, cfg.L, "kv_cache_scale"),
+        (fp8, "auto", scale[:0], None, slots, cfg.L, "kv_cache_scale"),
     ]
     seq_cases = [  # (block_table, cu_seq_lens, what the message names)
         (table[0], cu, "block_table"),
@@ -335,8 +345,14 @@ def test_fake_kernels_reject_the_layouts_the_gathers_reject():
                                                       cfg.L, torch.bfloat16)
             seqs = torch.ops.mlakv.gather_cache_sequences(ds, "fp8_ds_mla", None, None, table,
                                                           cu, 7, 512, torch.float32)
+            auto = torch.ops.mlakv.gather_cache_slots(fp8, "auto", scale, None, slots, cfg.L,
+                                                      torch.float32)
+            auto_seqs = torch.ops.mlakv.gather_cache_sequences(fp8, "auto", scale, None, table,
+                                                               cu, 7, cfg.L, torch.float32)
         assert (tuple(rows.shape), rows.dtype) == ((6, cfg.L + cfg.R), torch.bfloat16)
         assert (tuple(seqs.shape), seqs.dtype) == ((7, 576), torch.float32)
+        assert (tuple(auto.shape), auto.dtype) == ((6, cfg.L + cfg.R), torch.float32)
+        assert (tuple(auto_seqs.shape), auto_seqs.dtype) == ((7, cfg.L + cfg.R), torch.float32)
 
 
 @requires_cuda
