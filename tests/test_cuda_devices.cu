@@ -5,15 +5,18 @@
 // suites also run every case on cuda:1 (their "cuda1" instances, on the default stream); this
 // adds a stream of cuda:1 with programmatic dependent launch and checked mode. CudaRefusals*: a
 // stream of cuda:0, which the launch must refuse with an error that names both devices (two
-// GPUs), and a refused call leaves no CUDA error behind (one GPU).
+// GPUs), and a refused call leaves no CUDA error behind (one GPU). CudaThreads: host threads
+// launching on streams of their own at once (one GPU).
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <memory>
 #include <random>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -240,6 +243,52 @@ TEST(CudaRefusals, ARefusedCallLeavesNoErrorBehind) {
         << e.what();
   }
   EXPECT_EQ(cudaGetLastError(), cudaSuccess) << "rms_norm left an error";
+}
+
+// Two host threads launch rmsnorm_quant's generic kernel at once, each on a stream of its own, at
+// two widths whose weight rows need more than the default 48 KB of shared memory (N = 25600: 50
+// KB, N = 32768: 64 KB). The kernel's shared-memory opt-in is one value per device for every
+// thread: a launch that set it to its own size could lower it under the other thread's between
+// that thread's raise and its launch, which then failed.
+TEST(CudaThreads, WideRowsFromTwoThreadsAtOnce) {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess || count < 1) GTEST_SKIP() << "needs a CUDA device";
+  const Device gpu{DeviceType::kCUDA, 0};
+  std::atomic<int> failures{0};
+  auto launch_many = [&](int64_t N) {
+    ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
+    cudaStream_t stream = nullptr;
+    ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+    std::mt19937_64 rng(static_cast<uint64_t>(N));
+    const Tensor input = random_tensor(gpu, DType::kBFloat16, {1, N}, rng);
+    const Tensor weight = random_tensor(gpu, DType::kBFloat16, {N}, rng);
+    const Tensor values = new_tensor(gpu, DType::kFloat8E4M3, {1, N});
+    const Tensor scales = new_tensor(gpu, DType::kFloat32, {1, N / kDefaultQuantGroupSize});
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);  // the uploads, before the stream's work
+    RmsNormQuantParams p;
+    p.num_tokens = 1;
+    p.input = input.device_view();
+    p.weight = weight.device_view();
+    p.quant.values = values.device_view();
+    p.quant.scales = scales.device_view();
+    Context ctx;
+    ctx.stream = stream;
+    for (int i = 0; i < 2000; ++i) {
+      try {
+        rmsnorm_quant(p, ctx);
+      } catch (const Error& e) {
+        if (failures++ == 0) ADD_FAILURE() << "N " << N << ", launch " << i << ": " << e.what();
+        break;
+      }
+    }
+    EXPECT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+    cudaStreamDestroy(stream);
+  };
+  std::thread wide(launch_many, 32768);
+  std::thread narrower(launch_many, 25600);
+  wide.join();
+  narrower.join();
+  EXPECT_EQ(failures.load(), 0);
 }
 
 }  // namespace

@@ -109,15 +109,24 @@ void launch_kernel(const char* name, void (*kernel)(Params...), unsigned grid, u
   // of static shared memory, so only a dynamic size within 1 KB of the limit needs the kernel's
   // attributes read (rmsnorm_quant's dynamic memory is a 16-bit weight row: 48 KB at N = 24576).
   // A kernel with more static shared memory that also asks for dynamic memory must raise
-  // kStaticSmemBound.
+  // kStaticSmemBound. The opt-in is one value per kernel and device, shared by every host thread:
+  // it is raised to the device's whole per-block opt-in (less the static part), the same value
+  // for every caller, never to this call's size, which a thread launching a wider row between
+  // another's raise and launch would find too small.
   constexpr size_t kDefaultSmemLimit = 48 * 1024;
   constexpr size_t kStaticSmemBound = 1024;
   if (smem_bytes + kStaticSmemBound > kDefaultSmemLimit) {
     cudaFuncAttributes attributes = {};
     MLAKV_CUDA_CHECK(cudaFuncGetAttributes(&attributes, kernel));
-    if (attributes.sharedSizeBytes + smem_bytes > kDefaultSmemLimit) {
+    if (attributes.sharedSizeBytes + smem_bytes > kDefaultSmemLimit &&
+        static_cast<size_t>(attributes.maxDynamicSharedSizeBytes) < smem_bytes) {
+      int device = 0;
+      int optin = 0;
+      MLAKV_CUDA_CHECK(cudaGetDevice(&device));
+      MLAKV_CUDA_CHECK(
+          cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
       MLAKV_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                            static_cast<int>(smem_bytes)));
+                                            optin - static_cast<int>(attributes.sharedSizeBytes)));
     }
   }
   const cudaError_t err =
