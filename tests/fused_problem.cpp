@@ -174,6 +174,13 @@ FusedProblem::FusedProblem(const FusedSpec& s, Device dev) : spec(s), device(dev
       ref::store_value(kv_c.buffer->host.data() + kv_c.byte_offset({2 * k, col}), model, 0.0f);
     }
   }
+  for (int64_t k = 0; k < spec.tiny_tiles && 2 * k + 1 < T; ++k) {
+    for (int64_t i = 0; i < kDsMlaTileElems; ++i) {
+      const int64_t col = ((k + 1) % kDsMlaNumTiles) * kDsMlaTileElems + i;
+      const float x = (i % 2 == 0 ? 1e-37f : -1e-37f) * (1.0f + static_cast<float>(i % 13) / 4.0f);
+      ref::store_value(kv_c.buffer->host.data() + kv_c.byte_offset({2 * k + 1, col}), model, x);
+    }
+  }
   if (spec.norm) {
     weight = new_tensor(dev, model, {L});
     fill_random(*weight.buffer, model, rng, 1.5f);
@@ -262,7 +269,7 @@ MlaRopeCacheParams FusedProblem::params(bool host) const {
   p.kv_c = v(kv_c);
   p.k_pe = v(k_pe);
   p.kv_norm_weight = v(weight);
-  p.kv_norm_eps = 1e-6f;
+  p.kv_norm_eps = spec.kv_norm_eps;
   p.kv_cache = host ? cache.host_view() : cache.device_view();
   p.k_pe_out = v(k_pe_out);
   p.kv_c_out = v(kv_c_out);

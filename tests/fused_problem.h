@@ -48,8 +48,14 @@ struct FusedSpec {
   // (tile k % 4 for the k-th of them; fill_random never makes a 0): an all-zero fp8_ds_mla tile,
   // whose scale is the floor FLT_MIN and whose bytes are all 0 (DESIGN.md). Needs L >= 512.
   int64_t zero_tiles = 0;
+  // Tokens 1, 3, 5, ... (this many, < T) get one whole tile of kv_c (tile (k + 1) % 4) of tiny
+  // nonzero values, |x| <= 4e-37, so that amax / 448 is under FLT_MIN: an fp8_ds_mla tile whose
+  // scale is the floor FLT_MIN (DESIGN.md) and whose bytes are not 0. Needs L >= 512 and a bf16
+  // or fp32 model (fp16 has no such values).
+  int64_t tiny_tiles = 0;
 
   bool norm = false;
+  float kv_norm_eps = 1e-6f;  // the RMSNorm's eps (with norm)
   bool k_pe_out = false;
   bool kv_c_out = false;
   bool outs_in_place = false;  // k_pe_out = k_pe, kv_c_out = kv_c

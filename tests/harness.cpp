@@ -329,11 +329,15 @@ TestCache new_cache(Device device, const CacheGeometry& g) {
 void fill_cache_with_entries(Device device, TestCache& cache, std::mt19937_64& rng) {
   const CacheGeometry& g = cache.geometry;
   const int64_t n = cache.num_slots();
-  Tensor kv_c = new_tensor(device, DType::kBFloat16, {n, g.L});
-  Tensor k_pe = new_tensor(device, DType::kBFloat16, {n, g.R});
+  // fp32 values into fp32 and fp16 caches, so that a gather into bf16 must round them.
+  const DType model = g.format == CacheFormat::kFloat32 || g.format == CacheFormat::kFloat16
+                          ? DType::kFloat32
+                          : DType::kBFloat16;
+  Tensor kv_c = new_tensor(device, model, {n, g.L});
+  Tensor k_pe = new_tensor(device, model, {n, g.R});
   Tensor slots = new_tensor(device, DType::kInt64, {n});
-  fill_random(*kv_c.buffer, DType::kBFloat16, rng, 4.0f);
-  fill_random(*k_pe.buffer, DType::kBFloat16, rng, 4.0f);
+  fill_random(*kv_c.buffer, model, rng, 4.0f);
+  fill_random(*k_pe.buffer, model, rng, 4.0f);
   std::vector<int64_t> all(static_cast<size_t>(n));
   std::iota(all.begin(), all.end(), 0);
   set_indices(slots, all);

@@ -164,8 +164,9 @@ struct TestCache {
   int64_t num_slots() const { return geometry.num_blocks * geometry.block_size; }
 };
 TestCache new_cache(Device device, const CacheGeometry& geometry);
-// Writes a real entry into every slot of `cache` (random bf16 kv_c / k_pe through the reference's
-// concat_and_cache_mla) and uploads it: a cache to read back from.
+// Writes a real entry into every slot of `cache` (random kv_c / k_pe through the reference's
+// concat_and_cache_mla: fp32 values into fp32 and fp16 caches, so that reading them back into
+// bf16 rounds, bf16 values into the others) and uploads it: a cache to read back from.
 void fill_cache_with_entries(Device device, TestCache& cache, std::mt19937_64& rng);
 
 // Compares a cache with its host mirror byte for byte, RMSNorm's latent values included (the

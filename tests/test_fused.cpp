@@ -207,9 +207,11 @@ std::vector<FusedSpec> q_side_specs() {
   add_rope_width(ModelShape{"rope128", 4, 256, 128, 64});
   add_rope_width(ModelShape{"rope256", 2, 128, 256, 32});
   {
-    // All-zero fp8_ds_mla tiles without a norm: scale FLT_MIN, bytes 0.
+    // All-zero fp8_ds_mla tiles without a norm: scale FLT_MIN, bytes 0; and tiles of tiny values
+    // (amax / 448 under FLT_MIN): scale FLT_MIN, bytes not 0.
     FusedSpec s = base(kDeepSeekV3Tp8, kFormats[6], 33, 13);
     s.zero_tiles = 5;
+    s.tiny_tiles = 5;
     s.k_pe_out = s.kv_c_out = true;
     add(s, "zero_tiles");
   }
@@ -302,6 +304,27 @@ std::vector<FusedSpec> q_side_specs() {
   add_rope_width(ModelShape{"rope128h16", 16, 256, 128, 64});
   add_rope_width(ModelShape{"rope48", 8, 256, 48, 64});
   add_rope_width(ModelShape{"rope96", 6, 256, 96, 64});
+  {
+    // The floor of power-of-two tile scales (FLT_MIN is one): zero and tiny tiles.
+    FusedSpec s = base(kDeepSeekV3Tp8, kFormats[7], 33, 13);
+    s.zero_tiles = 5;
+    s.tiny_tiles = 5;
+    add(s, "zero_tiles_pow2");
+  }
+  for (const ModelShape& shape : {kDeepSeekV3, kMiniCpm3}) {
+    // A separate prefill output past the CPU backend's first chunk of 32 heads.
+    FusedSpec s = base(shape, kFormats[0], 9, 4);
+    s.prefill_out = true;
+    add(s, "prefill_out");
+  }
+  for (float eps : {0.5f, 0.0f}) {
+    // The RMSNorm's eps reaches the op: 0.5 is of the order of the rows' mean square (amplitude
+    // 2: about 1.3), 0 leaves it out.
+    FusedSpec s = base(kDeepSeekV3Tp8, kFormats[0], 9, 4);
+    s.norm = true;
+    s.kv_norm_eps = eps;
+    add(s, eps == 0.0f ? "norm_eps0" : "norm_eps_half");
+  }
   return std::move(add).specs();
 }
 

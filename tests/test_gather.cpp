@@ -132,6 +132,25 @@ TEST_P(GatherCache, SequencesMatchReference) {
   EXPECT_TRUE(buffer_unchanged(*table.buffer, "block_table"));
 }
 
+// Slots of int64 past 2^31 and 2^32: past the cache, so zeros and counted, as a truncation to 32
+// bits would not give ((1 << 32) + 5 would read slot 5); in between, slots that hold entries.
+TEST_P(GatherCache, LargeInt64SlotsArePastTheCache) {
+  const Device dev = std::get<0>(GetParam()).device;
+  const GatherCase& c = std::get<1>(GetParam());
+  std::mt19937_64 rng(static_cast<uint64_t>(c.format) * 19 + c.block_size);
+  TestCache cache = filled_cache(dev, c, rng);
+  const int64_t D = c.L + c.R;
+  const std::vector<int64_t> slot_values = {(int64_t{1} << 32) + 5, 5, int64_t{1} << 40,
+                                            (int64_t{1} << 31) + 1, 1, -1};
+  const int64_t N = static_cast<int64_t>(slot_values.size());
+  Tensor slots = index_tensor(dev, DType::kInt64, slot_values);
+  Tensor out = poisoned(padded_rows(dev, c.out_dtype, N, D, c.out_row_pad, c.out_offset()));
+  const BothCounts counts = gather_slots_both(cache, N, slots, out);
+  EXPECT_EQ(counts.expected[kBadSlot], 3);
+  EXPECT_EQ(counts_to_string(counts.got), counts_to_string(counts.expected));
+  EXPECT_TRUE(buffer_matches(*out.buffer, "out"));
+}
+
 // A call of a single row is work like any other (a decode step of one token; a context of one
 // sequence of one token): that row holds its entry in both modes, the row after it stays poisoned.
 TEST_P(GatherCache, OneRow) {

@@ -1,9 +1,11 @@
 // mlakv tests: the fused op on strided / aliased layouts, split and padded caches, and the safety
 // rules (padding slots, slots past the cache, positions past the table, device Td, rows >= T,
-// checked mode), always against the reference and with exact error counts.
+// checked mode, for every counter), always against the reference and with exact error counts.
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <functional>
+#include <random>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -255,6 +257,53 @@ TEST_P(CheckedMode, ThrowsWhenSomethingWasCounted) {
   p.bad_positions = 1;
   FusedProblem problem2(p, GetParam().device);
   EXPECT_THROW(problem2.run_library(/*checked=*/true), Error);
+
+  // Every counter: a device Td past T (clamped), and the gathers' bad slot and bad block id. The
+  // message names the counter that grew.
+  auto expect_counted = [](const char* counter, const std::function<void()>& run) {
+    try {
+      run();
+      ADD_FAILURE() << "checked mode did not throw for " << counter;
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(std::string(counter) + " +1"), std::string::npos)
+          << e.what();
+    }
+  };
+  FusedSpec td = named("checked_device_td");
+  td.device_td = true;
+  td.device_td_value = static_cast<int32_t>(td.T) + 1000;
+  FusedProblem problem3(td, GetParam().device);
+  expect_counted("bad_decode_count", [&] { problem3.run_library(/*checked=*/true); });
+
+  const Device dev = GetParam().device;
+  std::mt19937_64 rng(71);
+  CacheGeometry g;
+  g.num_blocks = 3;
+  g.block_size = 4;
+  TestCache cache = new_cache(dev, g);
+  fill_cache_with_entries(dev, cache, rng);
+  const int64_t D = g.L + g.R;
+  ErrorCounts counts(dev);
+  Context ctx;
+  ctx.error_counts = counts.device_ptr();
+  ctx.checked = true;
+  Tensor slots = index_tensor(dev, DType::kInt64, {0, cache.num_slots()});
+  Tensor out = poisoned(padded_rows(dev, DType::kFloat32, 2, D, 0));
+  GatherCacheSlotsParams gs;
+  gs.num_tokens = 2;
+  gs.kv_cache = cache.device_view();
+  gs.slots = slots.device_view();
+  gs.out = out.device_view();
+  expect_counted("bad_slot", [&] { gather_cache_slots(gs, ctx); });
+  Tensor block_table = index_tensor(dev, DType::kInt32, {g.num_blocks}).view(0, {1, 1}, {1, 1});
+  Tensor cu_seq_lens = index_tensor(dev, DType::kInt32, {0, 1});
+  GatherCacheSequencesParams gq;
+  gq.num_seqs = 1;
+  gq.kv_cache = cache.device_view();
+  gq.block_table = block_table.device_view();
+  gq.cu_seq_lens = cu_seq_lens.device_view();
+  gq.out = out.device_view();
+  expect_counted("bad_block_index", [&] { gather_cache_sequences(gq, ctx); });
 }
 
 TEST_P(CheckedMode, SilentWhenNothingWasCounted) {
