@@ -10,7 +10,9 @@
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-OUT_DIR=${OUT_DIR:-$ROOT/build-python/bench}
+# Relative MLAKV_VENV and OUT_DIR are the caller's (the script changes directory below).
+if [[ -n ${MLAKV_VENV:-} ]]; then MLAKV_VENV=$(realpath -m "$MLAKV_VENV"); fi
+OUT_DIR=$(realpath -m "${OUT_DIR:-$ROOT/build-python/bench}")
 MLAKV_PY_INSTALL_ONLY=1 bash "$ROOT/scripts/test_python.sh"
 if [[ "${MLAKV_PY_SYSTEM:-0}" == 1 ]]; then
   PY=$(command -v python3)

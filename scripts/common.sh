@@ -3,6 +3,8 @@
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 JOBS=${JOBS:-$(nproc)}
+# NVIDIA's standard install puts nvcc in /usr/local/cuda/bin, often not on PATH.
+if [[ -d /usr/local/cuda/bin ]]; then export PATH=$PATH:/usr/local/cuda/bin; fi
 
 # Installs, with apt-get, the Debian packages of the given kinds that are missing. Kinds: build
 # (cmake, g++, make), cli (CLI11, nlohmann-json), tests (googletest), python (python3 with venv and
@@ -40,6 +42,7 @@ sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Pyth
         command -v clang-format >/dev/null 2>&1 || missing+=(clang-format)
         ;;
       clang)
+        command -v python3 >/dev/null 2>&1 || missing+=(python3)  # scripts/clang_check.py
         command -v clang++ >/dev/null 2>&1 || missing+=(clang)
         echo '#include <omp.h>' | clang++ -fopenmp -fsyntax-only -x c++ - >/dev/null 2>&1 ||
           missing+=(libomp-dev)

@@ -18,6 +18,9 @@
 #   JOBS             build parallelism (default 16)
 #   SANITIZE_FILTER  gtest filter of the sanitizer runs (default: the CUDA-parameterized tests)
 #   STAGE_TIMEOUT    seconds per stage command before it is killed (default 540)
+#   CALL_SECONDS     seconds the whole call may take (default 570, for the device tool's 600 s
+#                    limit): a command gets at most what is left of it less 15 s, and one with
+#                    under 30 s left is skipped, so that the results so far reach $OUT
 #   SANITIZE_TIMEOUT the same for the sanitizer runs (default STAGE_TIMEOUT)
 #   SANITIZE_SHARDS  gtest shards a sanitizer tool runs in parallel (default 6; both tools at once)
 #   BENCH_HEADS      query-head counts at which the bench stage also times the mla_rope_cache
@@ -50,6 +53,7 @@ JOBS=${JOBS:-16}
 # CudaRefusals* provoke CUDA API errors on purpose, which memcheck reports as errors.
 SANITIZE_FILTER=${SANITIZE_FILTER:-*cuda*:*Cuda*:*CUDA*:-CudaPdlProducer.*:CudaRefusals*}
 STAGE_TIMEOUT=${STAGE_TIMEOUT:-540}
+CALL_SECONDS=${CALL_SECONDS:-570}
 SANITIZE_SHARDS=${SANITIZE_SHARDS:-6}
 WERROR=${WERROR:-OFF}
 if [[ $(realpath -m "$LOGS") == $(realpath -m "$OUT") ]]; then
@@ -74,13 +78,20 @@ note() { echo "$*" | tee -a "$SUMMARY"; }
 run_logged() {
   local name=$1 log=$2
   shift 2
-  local start=$SECONDS
-  timeout --signal=TERM --kill-after=20 "$STAGE_TIMEOUT" "$@" >"$log" 2>&1
+  local start=$SECONDS limit=$STAGE_TIMEOUT
+  local left=$((CALL_SECONDS - SECONDS - 15))
+  if ((left < 30)); then
+    note "[$name] SKIPPED: $((CALL_SECONDS - SECONDS)) s left of CALL_SECONDS=$CALL_SECONDS"
+    return 124
+  fi
+  ((left < limit)) && limit=$left
+  timeout --signal=TERM --kill-after=10 "$limit" "$@" >"$log" 2>&1
   local rc=$?
   local status="ok"
-  ((rc == 124 || rc == 137)) && status="TIMED OUT after ${STAGE_TIMEOUT}s"
+  ((rc == 124 || rc == 137)) && status="TIMED OUT after ${limit}s"
   ((rc != 0 && rc != 124 && rc != 137)) && status="FAILED (exit $rc)"
   note "[$name] $status in $((SECONDS - start)) s -> $(basename "$log")"
+  publish  # what has run so far reaches $OUT even if the next command outlives the call
   return $rc
 }
 
@@ -101,11 +112,13 @@ gtest_shards() {
 }
 export -f gtest_shards
 
-# gtest_sum LOG: "R ran: P passed, S skipped, F failed" over every gtest summary in LOG (shards).
+# gtest_sum LOG: "R ran: P passed, S skipped, F failed" over every gtest summary in LOG (shards,
+# run with --gtest_brief=1: its summary has no failed count, and each failed test is one
+# "[  FAILED  ] Name" line).
 gtest_sum() {
   awk '/^\[==========\] [0-9]+ tests? from/ {r += $2}
     /^\[  PASSED  \] [0-9]/ {p += $4} /^\[  SKIPPED \] [0-9]/ {s += $4}
-    /^\[  FAILED  \] [0-9]/ {f += $4}
+    /^\[  FAILED  \] [A-Za-z]/ {f += 1}
     END {printf "%d ran: %d passed, %d skipped, %d failed", r, p, s, f}' "$1"
 }
 
@@ -142,7 +155,10 @@ stage_build() {
   }
   note "  build.log: $(grep -c 'warning' "$LOGS/build.log") warning lines," \
     "$(grep -c 'spilled' "$LOGS/build.log") register-spill lines"
-  "$BUILD_DIR/mlakv" info >"$LOGS/info.txt" 2>&1
+  "$BUILD_DIR/mlakv" info >"$LOGS/info.txt" 2>&1 || {
+    head -5 "$LOGS/info.txt" | tee -a "$SUMMARY"
+    return 1
+  }
   sed -n '/backends:/,$p' "$LOGS/info.txt" | tee -a "$SUMMARY"
 }
 
@@ -272,6 +288,9 @@ publish() {
     [[ -f $f ]] && cp "$f" "$OUT/"
   done
 }
+
+# Killed from outside (the caller's time limit): leave what has run in $OUT.
+trap 'publish; tar -czf "$OUT/logs.tar.gz" -C "$LOGS" . 2>/dev/null; exit 143' TERM INT
 
 failed=()
 for stage in "${stages[@]}"; do

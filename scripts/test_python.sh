@@ -14,6 +14,8 @@ set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 TORCH_VERSION=2.11.0
+# A relative MLAKV_VENV is the caller's (the script changes directory below).
+if [[ -n ${MLAKV_VENV:-} ]]; then MLAKV_VENV=$(realpath -m "$MLAKV_VENV"); fi
 cd "$ROOT"
 
 # The PyPI torch wheel is a CUDA build: its CMake config (find_package(Torch) in torch/) stops
