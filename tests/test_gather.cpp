@@ -52,13 +52,29 @@ TestCache filled_cache(Device dev, const GatherCase& c, std::mt19937_64& rng) {
 
 class GatherCache : public testing::TestWithParam<std::tuple<Backend, GatherCase>> {};
 
+// gather_cache_slots of the first N of `slot_values` (a `dtype` index tensor of them all) into a
+// poisoned out of one row per value, against the reference: `bad` slots counted (the reference's
+// count, and the library's equal to it), out equal to the reference's, rows >= N still poisoned.
+void expect_slots_gather(const TestCache& cache, const GatherCase& c, DType dtype,
+                         const std::vector<int64_t>& slot_values, int64_t N, int32_t bad) {
+  const Device dev = cache.data->device();
+  const int64_t rows = static_cast<int64_t>(slot_values.size());
+  Tensor slots = index_tensor(dev, dtype, slot_values);
+  Tensor out =
+      poisoned(padded_rows(dev, c.out_dtype, rows, c.L + c.R, c.out_row_pad, c.out_offset()));
+  const BothCounts counts = gather_slots_both(cache, N, slots, out);
+  EXPECT_EQ(counts.expected[kBadSlot], bad);
+  EXPECT_EQ(counts_to_string(counts.got), counts_to_string(counts.expected));
+  EXPECT_TRUE(buffer_matches(*out.buffer, "out"));
+}
+
 TEST_P(GatherCache, SlotsMatchReference) {
   const Device dev = std::get<0>(GetParam()).device;
   const GatherCase& c = std::get<1>(GetParam());
   std::mt19937_64 rng(static_cast<uint64_t>(c.format) * 11 + c.block_size);
   TestCache cache = filled_cache(dev, c, rng);
   const int64_t n = cache.num_slots();
-  const int64_t N = 41, rows = N + 3, D = c.L + c.R;
+  const int64_t N = 41, rows = N + 3;
   std::vector<int64_t> slot_values(static_cast<size_t>(rows));
   std::uniform_int_distribution<int64_t> any_slot(0, n - 1);
   for (auto& s : slot_values) s = any_slot(rng);
@@ -68,13 +84,7 @@ TEST_P(GatherCache, SlotsMatchReference) {
   slot_values[10] = n + 5;                                      // likewise
   slot_values[11] = slot_values[12];                            // repeats are fine
   for (int64_t i = N; i < rows; ++i) slot_values[i] = n + 100;  // rows >= N: never read
-  Tensor slots = index_tensor(dev, DType::kInt32, slot_values);
-  Tensor out = poisoned(padded_rows(dev, c.out_dtype, rows, D, c.out_row_pad, c.out_offset()));
-
-  const BothCounts counts = gather_slots_both(cache, N, slots, out);
-  EXPECT_EQ(counts.expected[kBadSlot], 2);
-  EXPECT_EQ(counts_to_string(counts.got), counts_to_string(counts.expected));
-  EXPECT_TRUE(buffer_matches(*out.buffer, "out"));
+  expect_slots_gather(cache, c, DType::kInt32, slot_values, N, 2);
   EXPECT_TRUE(buffer_unchanged(*cache.data, "kv_cache"));
   if (cache.rope_data) {
     EXPECT_TRUE(buffer_unchanged(*cache.rope_data, "rope cache"));
@@ -139,16 +149,10 @@ TEST_P(GatherCache, LargeInt64SlotsArePastTheCache) {
   const GatherCase& c = std::get<1>(GetParam());
   std::mt19937_64 rng(static_cast<uint64_t>(c.format) * 19 + c.block_size);
   TestCache cache = filled_cache(dev, c, rng);
-  const int64_t D = c.L + c.R;
   const std::vector<int64_t> slot_values = {(int64_t{1} << 32) + 5, 5, int64_t{1} << 40,
                                             (int64_t{1} << 31) + 1, 1, -1};
-  const int64_t N = static_cast<int64_t>(slot_values.size());
-  Tensor slots = index_tensor(dev, DType::kInt64, slot_values);
-  Tensor out = poisoned(padded_rows(dev, c.out_dtype, N, D, c.out_row_pad, c.out_offset()));
-  const BothCounts counts = gather_slots_both(cache, N, slots, out);
-  EXPECT_EQ(counts.expected[kBadSlot], 3);
-  EXPECT_EQ(counts_to_string(counts.got), counts_to_string(counts.expected));
-  EXPECT_TRUE(buffer_matches(*out.buffer, "out"));
+  expect_slots_gather(cache, c, DType::kInt64, slot_values,
+                      static_cast<int64_t>(slot_values.size()), 3);
 }
 
 // A call of a single row is work like any other (a decode step of one token; a context of one
