@@ -768,6 +768,20 @@ def test_gather_cache_sequences_empty_block_table(device):
     assert mlakv.read_error_counts(counts)["bad_block_index"] == 3
 
 
+def test_rotary_embedding_counts_bad_positions(device):
+    """rotary_embedding's error_counts: a position past the table is counted, and the rows are
+    the reference's."""
+    table = mlakv.rope_cos_sin_cache(64, 16, device=device)
+    positions = torch.tensor([0, 99, 3], device=device)
+    q = torch.randn(3, 2, 64).bfloat16().to(device)
+    want = q.clone()
+    counts = mlakv.new_error_counts(device=device)
+    mlakv.rotary_embedding(positions, q, None, table, error_counts=counts)
+    assert mlakv.read_error_counts(counts)["bad_position"] == 1
+    ref.rotary_embedding(positions, want, None, table)
+    assert_bytes_equal(q, want)
+
+
 # ---- tables ------------------------------------------------------------------------------------
 def test_rope_tables():
     t = mlakv.rope_cos_sin_cache(64, 32)
@@ -780,6 +794,32 @@ def test_rope_tables():
     # High-frequency dims are extrapolated (unchanged), low-frequency ones interpolated.
     assert torch.allclose(y[7, :4], t[7, :4])
     assert mlakv.yarn_get_mscale(40.0, 1.0) == pytest.approx(1 + 0.1 * math.log(40.0))
+
+
+def test_rope_tables_against_literals():
+    """The tables' angles and scale against values worked out by hand (tests/test_tables.cpp's
+    literals): row 1's angle of each frequency (atan2 of its sin and cos, so a flipped sin
+    fails), YaRN's ramp with and without clipped betas, and its mscale ratio."""
+    def angles(t, pairs):
+        for i, want in pairs:
+            assert math.atan2(float(t[1, 32 + i]), float(t[1, i])) == pytest.approx(want,
+                                                                                     rel=1e-12), i
+    plain = mlakv.rope_cos_sin_cache(64, 2, dtype=torch.float64)
+    angles(plain, [(0, 1.0), (5, 10000 ** (-10 / 64)), (31, 10000 ** (-62 / 64))])
+    # DeepSeek-V3's YaRN (factor 40, original 4096, betas 32 / 1): extrapolated, ramped,
+    # interpolated.
+    yarn = mlakv.yarn_cos_sin_cache(64, max_position=2, dtype=torch.float64)
+    angles(yarn, [(0, 1.0), (5, 0.23713737056616555), (11, 0.03900692656714386),
+                  (15, 0.008334508951020777), (23, 3.33380358040831e-05)])
+    # beta_fast = beta_slow = 4096 / (2 pi) * 1.01: the ramp's both ends clip to dim 0 and 1.
+    b = 658.4176333734474
+    clipped = mlakv.yarn_cos_sin_cache(64, factor=2.0, beta_fast=b, beta_slow=b, max_position=2,
+                                       dtype=torch.float64)
+    angles(clipped, [(0, 1.0), (1, 0.37494710466622794), (31, 6.66760716081662e-05)])
+    scaled = mlakv.yarn_cos_sin_cache(64, factor=4.0, mscale=0.9, mscale_all_dim=0.707,
+                                      max_position=1, dtype=torch.float64)
+    want = (0.1 * 0.9 * math.log(4) + 1) / (0.1 * 0.707 * math.log(4) + 1)
+    assert float(scaled[0, 0]) == pytest.approx(want, rel=1e-12)
 
 
 def _round_once(v64: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -991,6 +1031,10 @@ def test_fp8_is_fp8_e4m3_everywhere(device):
                                    cache_format="fp8_e4m3", kv_cache_scale=x.kv_cache_scale)
         assert_bytes_equal(a, e)
     assert mlakv.cache_latent_dtype("fp8") == torch.float8_e4m3fn
+    # The parts' element types: fp8_ds_mla's rope part is bf16, the others' the latent's.
+    assert mlakv.cache_rope_dtype("fp8_ds_mla") == torch.bfloat16
+    assert mlakv.cache_rope_dtype("fp8") == torch.float8_e4m3fn
+    assert mlakv.cache_rope_dtype("fp16") == torch.float16
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "fp16", "fp32", "fp8_e4m3", "fp8_e5m2"])

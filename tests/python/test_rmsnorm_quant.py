@@ -10,12 +10,9 @@ the extension is not importable.
 import pytest
 import torch
 
-mlakv = pytest.importorskip("mlakv")
-from mlakv import reference as ref  # noqa: E402 (after the skip when mlakv is missing)
-from conftest import requires_cuda  # noqa: E402 (the `device` fixture comes from conftest too)
-
-if not hasattr(torch.ops.mlakv, "rmsnorm_quant"):
-    pytest.skip("the mlakv extension has no rmsnorm_quant", allow_module_level=True)
+import mlakv
+from mlakv import reference as ref
+from conftest import requires_cuda  # the `device` fixture comes from conftest too
 
 _ops = torch.ops.mlakv
 E4M3_MAX = 448.0
@@ -423,3 +420,38 @@ def test_wrappers_pass_eps_group_size_and_q_normed_out(device):
     assert_bytes_equal(normed, y)
     assert_bytes_equal(q_out, q)
     assert_bytes_equal(q_scales, s)
+
+
+def test_wrappers_defaults_and_options_reach_the_ops(device):
+    """The wrappers' defaults (eps 1e-6, group size 128), on rows whose mean square (~1e-6) makes
+    another eps show in the bytes; and mla_rmsnorm_quant's and per_token_group_quant_fp8's
+    group_size, scale_floor and pow2_scale, with an all-zero group (its scale is the floor)."""
+    T = 5
+    g = torch.Generator().manual_seed(45)
+    x = (torch.randn(T, 1536, generator=g) * 1e-3).to(torch.bfloat16).to(device)
+    w = rand_weight(1536, torch.bfloat16, device, seed=46)
+    kv_c = (torch.randn(T, 512, generator=g) * 1e-3).to(torch.bfloat16).to(device)
+    kvw = rand_weight(512, torch.bfloat16, device, seed=47)
+    y, _ = ref_rms_norm(x, w, 1e-6)
+    assert not torch.equal(y, ref_rms_norm(x, w, 1e-5)[0])
+    for got, want in zip(mlakv.rmsnorm_quant(x, w), ref_group_quant(y, 128)):
+        assert_bytes_equal(got, want)
+    got = mlakv.mla_rmsnorm_quant(x, w, kv_c, kvw)
+    q, s = ref_group_quant(y, 128)
+    assert_bytes_equal(got[0], q)
+    assert_bytes_equal(got[1], s)
+    assert_bytes_equal(got[2], ref_rms_norm(kv_c, kvw, 1e-6)[0])
+    out, scales = mlakv.per_token_group_quant_fp8(x)
+    assert scales.shape == (T, 1536 // 128)
+    for a, b in zip((out, scales), ref_group_quant(x, 128)):
+        assert_bytes_equal(a, b)
+
+    x[1, :64] = 0
+    y, _ = ref_rms_norm(x, w, 1e-6)
+    kw = dict(group_size=64, scale_floor=1e-3, pow2_scale=True)
+    got = mlakv.mla_rmsnorm_quant(x, w, kv_c, kvw, **kw)
+    for a, b in zip(got[:2], ref_group_quant(y, 64, 1e-3, True)):
+        assert_bytes_equal(a, b)
+    assert got[1].shape == (T, 1536 // 64)
+    for a, b in zip(mlakv.per_token_group_quant_fp8(x, **kw), ref_group_quant(x, 64, 1e-3, True)):
+        assert_bytes_equal(a, b)
