@@ -1687,6 +1687,10 @@ TEST(Validation, BuildInfo) {
   const bool off = info.find("CUDA backend: off") != std::string::npos;
   EXPECT_EQ(on, mlakv::cuda_backend_built()) << info;
   EXPECT_EQ(off, !mlakv::cuda_backend_built()) << info;
+  EXPECT_TRUE(info.find("\nCPU backend: 16-byte vectors\n") != std::string::npos ||
+              info.find("\nCPU backend: 32-byte vectors\n") != std::string::npos ||
+              info.find("\nCPU backend: 64-byte vectors\n") != std::string::npos)
+      << info;
 }
 
 // The CUDA backend's launch limits (docs/decisions.md, "One fused launch's size"): 2^30 copied

@@ -26,6 +26,9 @@ namespace mlakv {
 
 namespace cpu {
 MLAKV_BACKEND_OPS(MLAKV_DECLARE_BACKEND_OP)
+// The width of the CPU backend's row kernels' vectors (cpu_common.h kVecBytes: 16, 32 or 64), as
+// the backend's sources were compiled (-march=MLAKV_CPU_ARCH): build_info reports it.
+int vector_bytes();
 }  // namespace cpu
 
 #ifdef MLAKV_WITH_CUDA

@@ -37,6 +37,7 @@ const char* build_info() {
 #else
     os << "CUDA backend: off\n";
 #endif
+    os << "CPU backend: " << cpu::vector_bytes() << "-byte vectors\n";
     os << "OpenMP: " << _OPENMP << ", max threads " << omp_get_max_threads();
     return os.str();
   }();

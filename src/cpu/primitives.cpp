@@ -164,5 +164,7 @@ void rms_norm(const core::RmsNormArgs& args, const Context& ctx) {
   });
 }
 
+int vector_bytes() { return static_cast<int>(detail::kVecBytes); }
+
 }  // namespace cpu
 }  // namespace mlakv
