@@ -79,6 +79,76 @@ def test_opcheck_primitives(device):
     _opcheck(OPS.rms_norm.default, (torch.empty_like(x.kv_c), x.kv_c, x.kv_norm_weight, 1e-6))
 
 
+def _written_tensor_cases(device):
+    """(op, args) of every op that writes into its arguments."""
+    x = make_mla_inputs(TP8, "bf16", T=4, device=device)
+    T, L, R, P = x.slot_mapping.shape[0], TP8.L, TP8.R, TP8.P
+    counts = mlakv.new_error_counts(device)
+    block_table = torch.tensor([[1, 0], [3, 2]], dtype=torch.int32, device=device)
+    cu = torch.tensor([0, 5, 8], dtype=torch.int32, device=device)
+    rows = torch.randn(4, 1536, device=device).bfloat16()
+    w = torch.ones(1536, device=device).bfloat16()
+    kv_w = torch.ones(L, device=device).bfloat16()
+
+    def quant_out():
+        return (torch.empty(4, 1536, dtype=torch.float8_e4m3fn, device=device),
+                torch.empty(4, 12, device=device))
+    return [
+        (OPS.mla_rope_cache.default, _mla_args(x, "bf16")),
+        (OPS.rotary_embedding.default,
+         (x.positions, x.q[:T, :, P:], x.k_pe[:T].clone().view(T, 1, R), R, x.cos_sin_cache,
+          False, counts)),
+        (OPS.concat_and_cache_mla.default,
+         (x.kv_c, x.k_pe, x.kv_cache, x.slot_mapping, "bf16", None, None, counts, False)),
+        (OPS.decode_q_concat.default, (x.ql_nope[:T], x.q_pe[:T], x.q_out[:T], None)),
+        (OPS.rms_norm.default, (torch.empty_like(x.kv_c), x.kv_c, x.kv_norm_weight, 1e-6)),
+        (OPS.gather_cache_slots_out.default,
+         (torch.empty(T, L + R, device=device), x.kv_cache, "bf16", None, None, x.slot_mapping,
+          L, counts)),
+        (OPS.gather_cache_sequences_out.default,
+         (torch.empty(8, L + R, device=device), x.kv_cache, "bf16", None, None, block_table, cu,
+          L, counts)),
+        (OPS.rmsnorm_quant.default,
+         (rows, w, 1e-6, *quant_out(), 128, None, False, rows.clone(), torch.empty_like(rows))),
+        (OPS.mla_rmsnorm_quant.default,
+         (rows, w, 1e-6, *quant_out(), x.kv_c[:4], kv_w, 1e-6, torch.empty_like(x.kv_c[:4]))),
+        (OPS.per_token_group_quant_fp8.default, (rows, *quant_out())),
+    ]
+
+
+def test_written_tensors_get_new_versions(device):
+    """Every tensor an op writes (Tensor(a!) in its schema) has its version counter bumped, as
+    torch's in-place ops do, and no other tensor does: autograd then sees the write."""
+    for op, args in _written_tensor_cases(device):
+        written = [isinstance(a, torch.Tensor) and arg.alias_info is not None and
+                   arg.alias_info.is_write for a, arg in zip(args, op._schema.arguments)]
+        assert any(written), op
+        # A tensor given twice (an input and the tensor written) counts as written.
+        written_ids = {id(a) for a, w in zip(args, written) if w}
+        before = [a._version if isinstance(a, torch.Tensor) else None for a in args]
+        op(*args)
+        for a, v, arg in zip(args, before, op._schema.arguments):
+            if not isinstance(a, torch.Tensor):
+                continue
+            if id(a) in written_ids:
+                assert a._version > v, f"{op}: {arg.name} written, version unchanged"
+            elif not any(a._base is b or b._base is a for b in args
+                         if isinstance(b, torch.Tensor) and id(b) in written_ids):
+                assert a._version == v, f"{op}: {arg.name} read only, version changed"
+
+
+def test_autograd_sees_the_ops_writes():
+    """A tensor saved for backward and then rotated in place by rotary_embedding: backward raises
+    autograd's in-place error instead of computing gradients from the rotated values."""
+    a = torch.randn(4, 2, 64, requires_grad=True)
+    q = a * 1.0
+    y = (q * q).sum()
+    OPS.rotary_embedding(torch.arange(4), q, None, 64, mlakv.rope_cos_sin_cache(64, 8), False,
+                         None)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.backward()
+
+
 @pytest.mark.parametrize("fmt", ["bf16", "fp8_e5m2", "fp8_ds_mla"])
 def test_opcheck_gathers(fmt, device):
     x = make_mla_inputs(TP8, fmt, T=4, device=device)
