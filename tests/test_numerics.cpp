@@ -273,9 +273,6 @@ bool is_ref_of(num::Fp8E5M2 v, float x) {
   return v.bits == ref::float_to_fp8(x, DType::kFloat8E5M2);
 }
 
-// The CPU backend's row loops (cpu_common.h convert_row and quantize_row, which the compiler
-// vectorizes) against the reference element by element: floats at every rounding position of
-// every exponent (above), and every fp16 and bf16 pattern, into fp16, bf16, e4m3 and e5m2.
 // This file's copies of cpu_common.h's inline row kernels are compiled as the library's (CMakeLists
 // gives it the CPU sources' -march): one vector width, so the loops tested here and the ones the
 // library runs in the other tests are the ones it ships.
@@ -283,6 +280,9 @@ TEST(NumericsCrossCheck, CpuVectorWidthIsTheLibrarys) {
   EXPECT_EQ(cpu::detail::kVecBytes, cpu::vector_bytes());
 }
 
+// The CPU backend's row loops (cpu_common.h convert_row and quantize_row, which the compiler
+// vectorizes) against the reference element by element: floats at every rounding position of
+// every exponent (above), and every fp16 and bf16 pattern, into fp16, bf16, e4m3 and e5m2.
 TEST(NumericsCrossCheck, CpuRowLoopsEqualTheReference) {
   using cpu::detail::convert_row;
   using cpu::detail::quantize_row;
