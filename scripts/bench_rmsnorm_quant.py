@@ -34,17 +34,17 @@ import torch
 import torch.nn.functional as F
 
 import mlakv
+from mlakv import bench
 from mlakv.bench import copy_bandwidth, graph_call_times, time_copy
 
 _ops = torch.ops.mlakv
 G = 128
 E4M3_MAX = 448.0
 ROTATION_BYTES = 256 << 20  # buffer sets cycled through per graph: more than the 60 MB of L2
-MAX_SETS = 1024
 
 
 def num_sets(bytes_per_set):
-    return max(1, min(MAX_SETS, math.ceil(ROTATION_BYTES / max(bytes_per_set, 1))))
+    return bench.num_sets(bytes_per_set, "cuda", ROTATION_BYTES)
 
 
 # ---- timing ------------------------------------------------------------------------------------

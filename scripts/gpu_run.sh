@@ -122,16 +122,22 @@ gtest_sum() {
     END {printf "%d ran: %d passed, %d skipped, %d failed", r, p, s, f}' "$1"
 }
 
+# The built tool's `mlakv info` into info.txt, its backends in the summary; fails if it does not
+# run.
+record_info() {
+  "$BUILD_DIR/mlakv" info >"$LOGS/info.txt" 2>&1 || {
+    head -5 "$LOGS/info.txt" | tee -a "$SUMMARY"
+    return 1
+  }
+  sed -n '/backends:/,$p' "$LOGS/info.txt" | tee -a "$SUMMARY"
+}
+
 stage_build_prebuilt() {
   note "[build] prebuilt binaries from $PREBUILT"
   mkdir -p "$BUILD_DIR"
   cp "$PREBUILT/mlakv" "$PREBUILT/mlakv_tests" "$BUILD_DIR/" || return 1
   if [[ -f $PREBUILT/mlakv_faulty ]]; then cp "$PREBUILT/mlakv_faulty" "$BUILD_DIR/"; fi
-  "$BUILD_DIR/mlakv" info >"$LOGS/info.txt" 2>&1 || {
-    cat "$LOGS/info.txt" | head -5 | tee -a "$SUMMARY"
-    return 1
-  }
-  sed -n '/backends:/,$p' "$LOGS/info.txt" | tee -a "$SUMMARY"
+  record_info
 }
 
 stage_build() {
@@ -155,11 +161,7 @@ stage_build() {
   }
   note "  build.log: $(grep -c 'warning' "$LOGS/build.log") warning lines," \
     "$(grep -c 'spilled' "$LOGS/build.log") register-spill lines"
-  "$BUILD_DIR/mlakv" info >"$LOGS/info.txt" 2>&1 || {
-    head -5 "$LOGS/info.txt" | tee -a "$SUMMARY"
-    return 1
-  }
-  sed -n '/backends:/,$p' "$LOGS/info.txt" | tee -a "$SUMMARY"
+  record_info
 }
 
 stage_test() {

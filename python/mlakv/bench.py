@@ -115,11 +115,12 @@ def torch_step(positions, slots, table, kv_c, k_pe, cache, q_pe, q_out, weight, 
                                     kv_cache_scale=scale)
 
 
-def num_sets(nbytes, device):
-    """Sets a timing of a step of nbytes rotates over (1 on the CPU)."""
+def num_sets(nbytes, device, rotation_bytes=ROTATION_BYTES):
+    """Sets of nbytes a timing rotates over: enough to pass rotation_bytes, at most MAX_SETS (1 on
+    the CPU)."""
     if device != "cuda":
         return 1
-    return max(1, min(MAX_SETS, math.ceil(ROTATION_BYTES / max(nbytes, 1))))
+    return max(1, min(MAX_SETS, math.ceil(rotation_bytes / max(nbytes, 1))))
 
 
 def graph_call_times(calls, replays, lead=1):
