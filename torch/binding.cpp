@@ -81,15 +81,14 @@ CacheFormat to_cache_format(c10::string_view name, const at::Tensor& kv_cache) {
   const std::string format(name.data(), name.size());
   if (format == "fp8") return CacheFormat::kFloat8E4M3;
   if (format != "auto") {
-    for (CacheFormat f :
-         {CacheFormat::kBFloat16, CacheFormat::kFloat16, CacheFormat::kFloat32,
-          CacheFormat::kFloat8E4M3, CacheFormat::kFloat8E5M2, CacheFormat::kFloat8DsMla}) {
-      if (format == cache_format_name(f)) return f;
+    try {
+      return parse_cache_format(format.c_str());
+    } catch (const Error&) {  // the core names its own parameter: name the op's argument
+      TORCH_CHECK(false,
+                  "mlakv: cache_format: expected one of bf16, fp16, fp32, fp8_e4m3, fp8_e5m2, "
+                  "fp8_ds_mla, fp8 or auto, got \"",
+                  format, "\"");
     }
-    TORCH_CHECK(false,
-                "mlakv: cache_format: expected one of bf16, fp16, fp32, fp8_e4m3, fp8_e5m2, "
-                "fp8_ds_mla, fp8 or auto, got \"",
-                format, "\"");
   }
   switch (kv_cache.scalar_type()) {
     case at::kBFloat16:
