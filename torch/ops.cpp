@@ -85,6 +85,33 @@ void mla_rope_cache_op(const at::Tensor& positions, const at::Tensor& slot_mappi
   });
 }
 
+// mla_rope_cache.q_prefill_out: the same op with the prefill rows' output in q_prefill_out, so q
+// is read only. Its schema says so (the default overload marks q written, as the in-place form
+// writes it), and torch.compile then need not copy a q that the caller still reads.
+template <typename Env>
+void mla_rope_cache_q_prefill_out_op(
+    const at::Tensor& positions, const at::Tensor& slot_mapping, const at::Tensor& cos_sin_cache,
+    bool is_neox, const at::Tensor& kv_c, const at::Tensor& k_pe, at::Tensor& kv_cache,
+    c10::string_view cache_format, const OptTensor& kv_cache_scale, const OptTensor& kv_cache_rope,
+    const OptTensor& kv_norm_weight, double kv_norm_eps, const OptTensor& k_pe_out,
+    const OptTensor& kv_c_out, const OptTensor& q_pe, const OptTensor& ql_nope,
+    const OptTensor& q_out, const OptTensor& q_scale, const at::Tensor& q,
+    const at::Tensor& q_prefill_out, int64_t num_decode_tokens,
+    const OptTensor& num_decode_tokens_device, const OptTensor& error_counts,
+    bool ds_mla_pow2_scale) {
+  // The schema promises q is not written. The core takes q_prefill_out at q's own address as
+  // the in-place form (any other overlap it refuses), so that address is refused here.
+  TORCH_CHECK(
+      !(q.numel() > 0 && q_prefill_out.numel() > 0 && q.data_ptr() == q_prefill_out.data_ptr()),
+      "mlakv: q_prefill_out: is q itself; this overload leaves q unwritten (the default "
+      "mla_rope_cache overload rotates q in place)");
+  mla_rope_cache_op<Env>(positions, slot_mapping, cos_sin_cache, is_neox, kv_c, k_pe, kv_cache,
+                         cache_format, kv_cache_scale, kv_cache_rope, kv_norm_weight, kv_norm_eps,
+                         k_pe_out, kv_c_out, q_pe, ql_nope, q_out, q_scale, q, q_prefill_out,
+                         num_decode_tokens, num_decode_tokens_device, error_counts,
+                         ds_mla_pow2_scale);
+}
+
 template <typename Env>
 void rotary_embedding_op(const at::Tensor& positions, at::Tensor& query, const OptTensor& key,
                          int64_t head_size, const at::Tensor& cos_sin_cache, bool is_neox,
@@ -241,6 +268,7 @@ at::Tensor gather_cache_sequences_op(const at::Tensor& kv_cache, c10::string_vie
 template <typename Env>
 void register_kernels(torch::Library& m) {
   m.impl("mla_rope_cache", &mla_rope_cache_op<Env>);
+  m.impl("mla_rope_cache.q_prefill_out", &mla_rope_cache_q_prefill_out_op<Env>);
   m.impl("rotary_embedding", &rotary_embedding_op<Env>);
   m.impl("concat_and_cache_mla", &concat_and_cache_mla_op<Env>);
   m.impl("decode_q_concat", &decode_q_concat_op<Env>);
@@ -264,6 +292,15 @@ TORCH_LIBRARY(mlakv, m) {
       "Tensor(b!)? kv_cache_rope, Tensor? kv_norm_weight, float kv_norm_eps, "
       "Tensor(c!)? k_pe_out, Tensor(d!)? kv_c_out, Tensor? q_pe, Tensor? ql_nope, "
       "Tensor(e!)? q_out, Tensor? q_scale, Tensor(f!)? q, Tensor(g!)? q_prefill_out, "
+      "SymInt num_decode_tokens, Tensor? num_decode_tokens_device, Tensor(h!)? error_counts, "
+      "bool ds_mla_pow2_scale=False) -> ()");
+  // The same arguments, with q read only and q_prefill_out required (see the kernel above).
+  m.def(
+      "mla_rope_cache.q_prefill_out(Tensor positions, Tensor slot_mapping, Tensor cos_sin_cache, "
+      "bool is_neox, Tensor kv_c, Tensor k_pe, Tensor(a!) kv_cache, str cache_format, "
+      "Tensor? kv_cache_scale, Tensor(b!)? kv_cache_rope, Tensor? kv_norm_weight, "
+      "float kv_norm_eps, Tensor(c!)? k_pe_out, Tensor(d!)? kv_c_out, Tensor? q_pe, "
+      "Tensor? ql_nope, Tensor(e!)? q_out, Tensor? q_scale, Tensor q, Tensor(f!) q_prefill_out, "
       "SymInt num_decode_tokens, Tensor? num_decode_tokens_device, Tensor(h!)? error_counts, "
       "bool ds_mla_pow2_scale=False) -> ()");
   m.def(

@@ -44,10 +44,10 @@ void bump_written_tensors(const c10::OperatorHandle& op, c10::DispatchKeySet key
 
 // Every op that writes into its arguments (the functional gathers write none).
 TORCH_LIBRARY_IMPL(mlakv, ADInplaceOrView, m) {
-  for (const char* op :
-       {"mla_rope_cache", "rotary_embedding", "concat_and_cache_mla", "decode_q_concat", "rms_norm",
-        "gather_cache_slots_out", "gather_cache_sequences_out", "rmsnorm_quant",
-        "mla_rmsnorm_quant", "per_token_group_quant_fp8"}) {
+  for (const char* op : {"mla_rope_cache", "mla_rope_cache.q_prefill_out", "rotary_embedding",
+                         "concat_and_cache_mla", "decode_q_concat", "rms_norm",
+                         "gather_cache_slots_out", "gather_cache_sequences_out", "rmsnorm_quant",
+                         "mla_rmsnorm_quant", "per_token_group_quant_fp8"}) {
     m.impl(
         op,
         torch::CppFunction::makeFromBoxedFunction<&mlakv::torch_binding::bump_written_tensors>());

@@ -88,6 +88,8 @@ def mla_rope_cache(positions: torch.Tensor, slot_mapping: torch.Tensor,
 
     Prefill query side, rows ``Td <= t < T`` (when ``q`` is given): RoPE on the last R values of
     each head of ``q [>=T, H, P + R]``, in place, or into ``q_prefill_out`` (whole head written).
+    With a ``q_prefill_out`` other than ``q`` this calls ``torch.ops.mlakv.mla_rope_cache
+    .q_prefill_out``, whose schema leaves ``q`` read only (torch.compile then does not copy it).
 
     ``Td`` is ``num_decode_tokens`` (host int in ``[0, T]``), or the int32 ``[1]`` device tensor
     ``num_decode_tokens_device`` when given (clamped to ``[0, T]`` and counted; then the decode
@@ -96,11 +98,15 @@ def mla_rope_cache(positions: torch.Tensor, slot_mapping: torch.Tensor,
     ``ds_mla_pow2_scale``: fp8_ds_mla only, round each tile scale up to a power of two.
     ``kv_cache_scale``: fp32 ``[1]`` scale of the per-tensor fp8 formats (None: 1.0).
     """
-    _ops.mla_rope_cache(positions, slot_mapping, cos_sin_cache, is_neox, kv_c, k_pe, kv_cache,
-                        cache_format, kv_cache_scale, kv_cache_rope, kv_norm_weight,
-                        float(kv_norm_eps), k_pe_out, kv_c_out, q_pe, ql_nope, q_out, q_scale, q,
-                        q_prefill_out, _count(num_decode_tokens), num_decode_tokens_device,
-                        error_counts, ds_mla_pow2_scale)
+    # With a separate q_prefill_out, the overload whose schema leaves q read only (the default
+    # one marks q written, for the in-place form), so torch.compile need not copy q.
+    op = _ops.mla_rope_cache
+    if q_prefill_out is not None and q is not None and q_prefill_out is not q:
+        op = op.q_prefill_out
+    op(positions, slot_mapping, cos_sin_cache, is_neox, kv_c, k_pe, kv_cache, cache_format,
+       kv_cache_scale, kv_cache_rope, kv_norm_weight, float(kv_norm_eps), k_pe_out, kv_c_out, q_pe,
+       ql_nope, q_out, q_scale, q, q_prefill_out, _count(num_decode_tokens),
+       num_decode_tokens_device, error_counts, ds_mla_pow2_scale)
 
 
 def mla_rope_cache_decode(positions, slot_mapping, cos_sin_cache, kv_c, k_pe, kv_cache,

@@ -4,6 +4,8 @@ import contextlib
 
 import pytest
 import torch
+from torch._dynamo.backends.common import aot_autograd
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 import mlakv
 from mlakv import reference as ref
@@ -57,6 +59,7 @@ def test_opcheck_mla_rope_cache_other_outputs(device):
     args[9] = torch.zeros(*blocks, TP8.R, dtype=torch.bfloat16, device=device)
     args[19] = torch.zeros_like(x.q)
     _opcheck(OPS.mla_rope_cache.default, tuple(args))
+    _opcheck(OPS.mla_rope_cache.q_prefill_out, tuple(args))
     args[16] = torch.zeros(x.q_out.shape, dtype=torch.float8_e4m3fn, device=device)
     args[17] = torch.tensor([0.02], device=device)
     # test_schema compares float8 outputs with arithmetic torch does not implement for float8
@@ -93,8 +96,11 @@ def _written_tensor_cases(device):
     def quant_out():
         return (torch.empty(4, 1536, dtype=torch.float8_e4m3fn, device=device),
                 torch.empty(4, 12, device=device))
+    separate = list(_mla_args(make_mla_inputs(TP8, "bf16", T=4, device=device), "bf16"))
+    separate[19] = torch.zeros_like(separate[18])  # q_prefill_out: q stays read only
     return [
         (OPS.mla_rope_cache.default, _mla_args(x, "bf16")),
+        (OPS.mla_rope_cache.q_prefill_out, tuple(separate)),
         (OPS.rotary_embedding.default,
          (x.positions, x.q[:T, :, P:], x.k_pe[:T].clone().view(T, 1, R), R, x.cos_sin_cache,
           False, counts)),
@@ -266,6 +272,100 @@ def test_torch_compile_reads_aliased_input_after_the_op(backend, device):
         assert_bytes_equal(g, w)
     for name in ("k_pe", "kv_c", "kv_cache", "q_out"):
         assert_bytes_equal(getattr(x, name), getattr(y, name))
+
+
+def _prefill_step(positions, slot_mapping, table, kv_c, k_pe, kv_cache, q, q_prefill_out):
+    """A prefill batch's fused op with the rotated q in q_prefill_out; q is read after it."""
+    mlakv.mla_rope_cache(positions, slot_mapping, table, kv_c, k_pe, kv_cache, cache_format="bf16",
+                         q=q, q_prefill_out=q_prefill_out)
+    return q * 2
+
+
+def _prefill_step_args(x, q_prefill_out):
+    return (x.positions, x.slot_mapping, x.cos_sin_cache, x.kv_c, x.k_pe, x.kv_cache, x.q,
+            q_prefill_out)
+
+
+def _functionalized_mla_call(step, args):
+    """The op and keyword arguments of the auto_functionalized_v2 node that stands for step's one
+    mlakv op in its functionalized graph (a read-only argument is passed as itself; a written one
+    as an index into _all_bases, the tensors the graph treats as written)."""
+    graphs = []
+
+    def keep(gm, example_inputs):
+        graphs.append(gm)
+        return gm
+    torch._dynamo.reset()
+    torch.compile(step, fullgraph=True, dynamic=False,
+                  backend=aot_autograd(fw_compiler=keep))(*args)
+    (node,) = [n for n in graphs[0].graph.nodes
+               if n.target is torch.ops.higher_order.auto_functionalized_v2]
+    return node.args[0], node.kwargs
+
+
+def test_separate_q_prefill_out_leaves_q_read_only(device):
+    """With a q_prefill_out other than q, mlakv.mla_rope_cache calls the overload whose schema
+    leaves q read only: the functionalized graph passes q to the op as a plain input, so nothing
+    copies q or writes it back. In place (q_prefill_out absent), q is written (the default
+    overload), and the graph treats it so."""
+    schema = OPS.mla_rope_cache.q_prefill_out._schema
+    args = {a.name: a for a in schema.arguments}
+    assert args["q"].alias_info is None
+    assert args["q_prefill_out"].alias_info.is_write
+    assert OPS.mla_rope_cache.default._schema.arguments[18].alias_info.is_write
+
+    x = make_mla_inputs(TP8, "bf16", T=6, Td=0, device=device, seed=33)
+    op, kwargs = _functionalized_mla_call(_prefill_step,
+                                          _prefill_step_args(x, torch.zeros_like(x.q)))
+    assert op is OPS.mla_rope_cache.q_prefill_out
+    assert "q" in kwargs and "_q_base_index" not in kwargs, "q handed to the op as written"
+    assert kwargs["q"] not in kwargs["_all_bases"]
+    assert kwargs["_q_prefill_out_base_index"] is not None
+
+    def in_place(positions, slot_mapping, table, kv_c, k_pe, kv_cache, q, unused):
+        return _prefill_step(positions, slot_mapping, table, kv_c, k_pe, kv_cache, q, None)
+    op, kwargs = _functionalized_mla_call(in_place, _prefill_step_args(x, torch.zeros_like(x.q)))
+    assert op is OPS.mla_rope_cache.default
+    assert "q" not in kwargs and kwargs["_q_base_index"] is not None
+
+
+@pytest.mark.parametrize("backend", COMPILE_BACKENDS)
+def test_torch_compile_separate_q_prefill_out(backend, device):
+    """Compiled with a separate q_prefill_out: q keeps its bytes (and the value read after the op
+    is the old q), q_prefill_out and the cache get eager's bytes."""
+    x = make_mla_inputs(TP8, "bf16", T=6, Td=0, device=device, seed=34)
+    y = x.clone()
+    q_before = x.q.clone()
+    out_x, out_y = torch.zeros_like(x.q), torch.zeros_like(y.q)
+    got = _compiled(_prefill_step, backend)(*_prefill_step_args(x, out_x))
+    want = _prefill_step(*_prefill_step_args(y, out_y))
+    assert_bytes_equal(x.q, q_before)
+    assert_bytes_equal(got, want)
+    assert_bytes_equal(got, q_before * 2)
+    assert_bytes_equal(out_x, out_y)
+    assert_bytes_equal(x.kv_cache, y.kv_cache)
+    assert not torch.equal(out_x, torch.zeros_like(out_x)), "q_prefill_out not written"
+
+
+def test_q_prefill_out_overload_refuses_q_itself(device):
+    """The overload promises q unwritten, so q_prefill_out at q's address (the default overload's
+    in-place form) is refused, by the real kernel and by the fake one, with nothing written."""
+    x = make_mla_inputs(TP8, "bf16", T=4, device=device)
+    args = list(_mla_args(x, "bf16"))
+    args[19] = args[18]
+    cache_before, q_before = x.kv_cache.clone(), x.q.clone()
+    with pytest.raises(RuntimeError, match="q_prefill_out: is q itself"):
+        OPS.mla_rope_cache.q_prefill_out(*args)
+    args[19] = args[18].view(args[18].shape)  # another view of the same bytes
+    with pytest.raises(RuntimeError, match="q_prefill_out: is q itself"):
+        OPS.mla_rope_cache.q_prefill_out(*args)
+    assert_bytes_equal(x.kv_cache, cache_before)
+    assert_bytes_equal(x.q, q_before)
+    with FakeTensorMode() as mode:
+        fake = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
+        fake[19] = fake[18]
+        with pytest.raises(RuntimeError, match="q_prefill_out: is q itself"):
+            OPS.mla_rope_cache.q_prefill_out(*fake)
 
 
 def _check_norm_in_place(step, seed, T, N, backend, device):
@@ -751,6 +851,10 @@ def test_fake_kernels_of_every_writing_op_reject_mixed_devices():
         with pytest.raises(RuntimeError, match=f"mlakv: {name}: expected every tensor on one "
                                                "device"):
             getattr(OPS, name)(*args)
+    mla[19] = torch.zeros_like(x.q)
+    with pytest.raises(RuntimeError, match="mlakv: mla_rope_cache: expected every tensor on one "
+                                           "device"):
+        OPS.mla_rope_cache.q_prefill_out(*mla)
 
 
 @requires_cuda
