@@ -8,6 +8,7 @@
 #include <cstring>
 #include <vector>
 
+#include "common/float_env.h"
 #include "common/numerics.h"
 #include "mlakv/error.h"
 
@@ -66,11 +67,13 @@ float double_to_float_round_odd(double d) {
 }  // namespace
 
 int64_t YarnRopeConfig::max_position() const {
+  const DefaultFloatEnv float_env;
   // vLLM: torch.arange(max_position_embeddings * scaling_factor) -> ceil of the product.
   return static_cast<int64_t>(std::ceil(static_cast<double>(original_max_position) * factor));
 }
 
 std::vector<double> rope_cos_sin_table(const RopeTableConfig& config) {
+  const DefaultFloatEnv float_env;  // the tables are the same in any caller environment
   check_rotary_dim("rope_cos_sin_table", config.rotary_dim);
   MLAKV_CHECK(config.max_position >= 1, "rope_cos_sin_table: max_position: expected >= 1, got ",
               config.max_position);
@@ -85,6 +88,7 @@ std::vector<double> rope_cos_sin_table(const RopeTableConfig& config) {
 }
 
 std::vector<double> yarn_cos_sin_table(const YarnRopeConfig& config) {
+  const DefaultFloatEnv float_env;
   check_rotary_dim("yarn_cos_sin_table", config.rotary_dim);
   MLAKV_CHECK(config.base > 1.0, "yarn_cos_sin_table: base: expected > 1, got ", config.base);
   MLAKV_CHECK(config.factor > 0.0, "yarn_cos_sin_table: factor: expected > 0, got ", config.factor);
@@ -123,6 +127,7 @@ std::vector<double> yarn_cos_sin_table(const YarnRopeConfig& config) {
 }
 
 void round_table(const std::vector<double>& table, DType dtype, void* out) {
+  const DefaultFloatEnv float_env;
   MLAKV_CHECK(out != nullptr || table.empty(), "round_table: out: expected a host buffer of ",
               table.size(), " elements, got nullptr");
   const size_t n = table.size();
@@ -149,11 +154,13 @@ void round_table(const std::vector<double>& table, DType dtype, void* out) {
 }
 
 double yarn_get_mscale(double factor, double mscale) {
+  const DefaultFloatEnv float_env;
   if (factor <= 1.0) return 1.0;
   return 0.1 * mscale * std::log(factor) + 1.0;
 }
 
 double yarn_softmax_scale_multiplier(double factor, double mscale_all_dim) {
+  const DefaultFloatEnv float_env;
   const double m = yarn_get_mscale(factor, mscale_all_dim);
   return m * m;
 }

@@ -4,7 +4,8 @@
 // Every row kernel works on one contiguous row and is written as plain loops over float temporaries
 // so that GCC vectorizes it (plain copies are spelled as vector moves: copy_bytes, stream_bytes);
 // all rounding goes through src/common/numerics.h, so the results are the bits the CUDA backend
-// produces.
+// produces. Every parallel region holds a DefaultFloatEnv (src/common/float_env.h) on each thread,
+// so the caller's floating-point environment (rounding mode, FTZ / DAZ) does not change them.
 #pragma once
 
 #include <omp.h>
@@ -19,6 +20,7 @@
 #include <type_traits>
 #include <utility>
 
+#include "common/float_env.h"
 #include "common/numerics.h"
 #include "core/args.h"
 #include "mlakv/cache.h"

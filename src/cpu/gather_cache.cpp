@@ -76,6 +76,7 @@ void gather_impl(const GatherCacheArgs& a, const Context& ctx) {
   if (!a.sequences) {
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
+      const DefaultFloatEnv float_env;
       ErrorTally tally;
 #pragma omp for schedule(static) nowait
       for (int64_t i = 0; i < a.num_rows; ++i) {
@@ -95,6 +96,7 @@ void gather_impl(const GatherCacheArgs& a, const Context& ctx) {
 
 #pragma omp parallel num_threads(threads) if (threads > 1)
   {
+    const DefaultFloatEnv float_env;
     ErrorTally tally;
     for (int64_t b = 0; b < a.num_seqs; ++b) {
       const int64_t begin = a.cu_seq_lens[b];

@@ -264,6 +264,7 @@ void mla_rope_cache(const core::MlaRopeCacheArgs& args, const Context& ctx) {
 
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
+      const DefaultFloatEnv float_env;
       ErrorTally tally;
 #pragma omp for schedule(static) nowait
       for (int64_t t = 0; t < T; ++t) k_side(args, t, tally);

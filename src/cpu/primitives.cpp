@@ -23,6 +23,7 @@ void rotary_embedding_impl(const core::RotaryEmbeddingArgs& a, const Context& ct
 
 #pragma omp parallel num_threads(threads) if (threads > 1)
   {
+    const DefaultFloatEnv float_env;
     ErrorTally tally;
 #pragma omp for schedule(static) nowait
     for (int64_t t = 0; t < T_count; ++t) {
@@ -53,6 +54,7 @@ void concat_and_cache_mla_impl(const core::ConcatAndCacheMlaArgs& a, const Conte
 
 #pragma omp parallel num_threads(threads) if (threads > 1)
   {
+    const DefaultFloatEnv float_env;
     ErrorTally tally;
 #pragma omp for schedule(static) nowait
     for (int64_t t = 0; t < a.num_tokens; ++t) {
@@ -79,26 +81,31 @@ void decode_q_concat_impl(const core::DecodeQConcatArgs& a, const Context& ctx) 
                         static_cast<int64_t>(sizeof(T)) * 2;
   const int threads = detail::threads_for(ctx, bytes, items);
 
-#pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
-  for (int64_t i = 0; i < items; ++i) {
-    const int64_t t = i / chunks;
-    const int64_t h0 = (i % chunks) * detail::kHeadChunk;
-    const int64_t h1 = std::min(H, h0 + detail::kHeadChunk);
-    for (int64_t h = h0; h < h1; ++h) {
-      QOut* out = static_cast<QOut*>(a.q_out) + t * a.stride_q_out_token + h * a.stride_q_out_head;
-      if (copy_nope) {
-        const T* ql_nope = static_cast<const T*>(a.ql_nope) + t * a.stride_ql_nope_token +
-                           h * a.stride_ql_nope_head;
-        if (detail::kIsFp8<QOut> && h + 1 < h1) {  // as decode_q_item (mla_rope_cache.cpp)
-          detail::prefetch_read(ql_nope + a.stride_ql_nope_head,
-                                L * static_cast<int64_t>(sizeof(T)));
+#pragma omp parallel num_threads(threads) if (threads > 1)
+  {
+    const DefaultFloatEnv float_env;
+#pragma omp for schedule(static) nowait
+    for (int64_t i = 0; i < items; ++i) {
+      const int64_t t = i / chunks;
+      const int64_t h0 = (i % chunks) * detail::kHeadChunk;
+      const int64_t h1 = std::min(H, h0 + detail::kHeadChunk);
+      for (int64_t h = h0; h < h1; ++h) {
+        QOut* out =
+            static_cast<QOut*>(a.q_out) + t * a.stride_q_out_token + h * a.stride_q_out_head;
+        if (copy_nope) {
+          const T* ql_nope = static_cast<const T*>(a.ql_nope) + t * a.stride_ql_nope_token +
+                             h * a.stride_ql_nope_head;
+          if (detail::kIsFp8<QOut> && h + 1 < h1) {  // as decode_q_item (mla_rope_cache.cpp)
+            detail::prefetch_read(ql_nope + a.stride_ql_nope_head,
+                                  L * static_cast<int64_t>(sizeof(T)));
+          }
+          detail::store_row(ql_nope, out, L, q_scale);
         }
-        detail::store_row(ql_nope, out, L, q_scale);
-      }
-      if (copy_rope) {
-        const T* q_pe =
-            static_cast<const T*>(a.q_pe) + t * a.stride_q_pe_token + h * a.stride_q_pe_head;
-        detail::store_row(q_pe, out + L, R, q_scale);
+        if (copy_rope) {
+          const T* q_pe =
+              static_cast<const T*>(a.q_pe) + t * a.stride_q_pe_token + h * a.stride_q_pe_head;
+          detail::store_row(q_pe, out + L, R, q_scale);
+        }
       }
     }
   }
@@ -111,12 +118,16 @@ void rms_norm_impl(const core::RmsNormArgs& a, const Context& ctx) {
   const int threads = detail::threads_for(ctx, bytes, a.num_tokens);
   const T* weight = static_cast<const T*>(a.weight);
 
-#pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
-  for (int64_t t = 0; t < a.num_tokens; ++t) {
-    const T* in = static_cast<const T*>(a.input) + t * a.stride_input_token;
-    T* out = static_cast<T*>(a.output) + t * a.stride_output_token;
-    const float inv_rms = num::rms_inv(detail::sum_squares(in, N), N, a.eps);
-    detail::rms_apply_row(in, weight, out, N, inv_rms);
+#pragma omp parallel num_threads(threads) if (threads > 1)
+  {
+    const DefaultFloatEnv float_env;
+#pragma omp for schedule(static) nowait
+    for (int64_t t = 0; t < a.num_tokens; ++t) {
+      const T* in = static_cast<const T*>(a.input) + t * a.stride_input_token;
+      T* out = static_cast<T*>(a.output) + t * a.stride_output_token;
+      const float inv_rms = num::rms_inv(detail::sum_squares(in, N), N, a.eps);
+      detail::rms_apply_row(in, weight, out, N, inv_rms);
+    }
   }
 }
 
