@@ -87,7 +87,9 @@ void mla_rope_cache_op(const at::Tensor& positions, const at::Tensor& slot_mappi
 
 // mla_rope_cache.q_prefill_out: the same op with the prefill rows' output in q_prefill_out, so q
 // is read only. Its schema says so (the default overload marks q written, as the in-place form
-// writes it), and torch.compile then need not copy a q that the caller still reads.
+// writes it), and torch.compile then need not copy a q that the caller still reads. A
+// q_prefill_out that shares q's memory (q[:], the in-place form) is still written as the core
+// allows: torch treats a write through one of two aliased arguments as a write to both.
 template <typename Env>
 void mla_rope_cache_q_prefill_out_op(
     const at::Tensor& positions, const at::Tensor& slot_mapping, const at::Tensor& cos_sin_cache,
@@ -99,12 +101,6 @@ void mla_rope_cache_q_prefill_out_op(
     const at::Tensor& q_prefill_out, int64_t num_decode_tokens,
     const OptTensor& num_decode_tokens_device, const OptTensor& error_counts,
     bool ds_mla_pow2_scale) {
-  // The schema promises q is not written. The core takes q_prefill_out at q's own address as
-  // the in-place form (any other overlap it refuses), so that address is refused here.
-  TORCH_CHECK(
-      !(q.numel() > 0 && q_prefill_out.numel() > 0 && q.data_ptr() == q_prefill_out.data_ptr()),
-      "mlakv: q_prefill_out: is q itself; this overload leaves q unwritten (the default "
-      "mla_rope_cache overload rotates q in place)");
   mla_rope_cache_op<Env>(positions, slot_mapping, cos_sin_cache, is_neox, kv_c, k_pe, kv_cache,
                          cache_format, kv_cache_scale, kv_cache_rope, kv_norm_weight, kv_norm_eps,
                          k_pe_out, kv_c_out, q_pe, ql_nope, q_out, q_scale, q, q_prefill_out,

@@ -32,16 +32,8 @@ for _name in ("mla_rope_cache", "rotary_embedding", "concat_and_cache_mla", "dec
     torch.library.register_fake(f"mlakv::{_name}")(_writes_only(_name))
 
 
-@torch.library.register_fake("mlakv::mla_rope_cache.q_prefill_out")
-def _mla_rope_cache_q_prefill_out_fake(*args, **kwargs):
-    # q (argument 18) is read only in this overload, so q_prefill_out (19) must not be q itself
-    # (the real kernel compares addresses, which a fake tensor does not have).
-    _one_device("mla_rope_cache", list(args) + list(kwargs.values()))
-    q = kwargs.get("q", args[18] if len(args) > 18 else None)
-    out = kwargs.get("q_prefill_out", args[19] if len(args) > 19 else None)
-    if q is not None and q is out and q.numel() > 0:
-        raise RuntimeError("mlakv: q_prefill_out: is q itself; this overload leaves q unwritten "
-                           "(the default mla_rope_cache overload rotates q in place)")
+torch.library.register_fake("mlakv::mla_rope_cache.q_prefill_out")(
+    _writes_only("mla_rope_cache"))
 
 
 def _index_tensor(name, t, dims, dtypes):

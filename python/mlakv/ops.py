@@ -99,7 +99,9 @@ def mla_rope_cache(positions: torch.Tensor, slot_mapping: torch.Tensor,
     ``kv_cache_scale``: fp32 ``[1]`` scale of the per-tensor fp8 formats (None: 1.0).
     """
     # With a separate q_prefill_out, the overload whose schema leaves q read only (the default
-    # one marks q written, for the in-place form), so torch.compile need not copy q.
+    # one marks q written, for the in-place form), so torch.compile need not copy q. A view of q
+    # at q's address (the in-place form again) may take either: a write through an argument that
+    # aliases q is a write to q for torch.
     op = _ops.mla_rope_cache
     if q_prefill_out is not None and q is not None and q_prefill_out is not q:
         op = op.q_prefill_out

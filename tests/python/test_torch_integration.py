@@ -5,7 +5,6 @@ import contextlib
 import pytest
 import torch
 from torch._dynamo.backends.common import aot_autograd
-from torch._subclasses.fake_tensor import FakeTensorMode
 
 import mlakv
 from mlakv import reference as ref
@@ -347,25 +346,28 @@ def test_torch_compile_separate_q_prefill_out(backend, device):
     assert not torch.equal(out_x, torch.zeros_like(out_x)), "q_prefill_out not written"
 
 
-def test_q_prefill_out_overload_refuses_q_itself(device):
-    """The overload promises q unwritten, so q_prefill_out at q's address (the default overload's
-    in-place form) is refused, by the real kernel and by the fake one, with nothing written."""
-    x = make_mla_inputs(TP8, "bf16", T=4, device=device)
-    args = list(_mla_args(x, "bf16"))
-    args[19] = args[18]
-    cache_before, q_before = x.kv_cache.clone(), x.q.clone()
-    with pytest.raises(RuntimeError, match="q_prefill_out: is q itself"):
-        OPS.mla_rope_cache.q_prefill_out(*args)
-    args[19] = args[18].view(args[18].shape)  # another view of the same bytes
-    with pytest.raises(RuntimeError, match="q_prefill_out: is q itself"):
-        OPS.mla_rope_cache.q_prefill_out(*args)
-    assert_bytes_equal(x.kv_cache, cache_before)
-    assert_bytes_equal(x.q, q_before)
-    with FakeTensorMode() as mode:
-        fake = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
-        fake[19] = fake[18]
-        with pytest.raises(RuntimeError, match="q_prefill_out: is q itself"):
-            OPS.mla_rope_cache.q_prefill_out(*fake)
+@pytest.mark.parametrize("backend", [None] + COMPILE_BACKENDS)
+def test_q_prefill_out_a_view_of_q(backend, device):
+    """q_prefill_out = q[:] (another tensor at q's address: the in-place form) through the wrapper,
+    which then calls the q_prefill_out overload: q is rotated in place as with q_prefill_out
+    absent, and a read of q after the op sees it, eager and compiled (a write through an argument
+    that aliases q is a write to q for torch, whatever q's own annotation)."""
+    def view_step(positions, slot_mapping, table, kv_c, k_pe, kv_cache, q, unused):
+        return _prefill_step(positions, slot_mapping, table, kv_c, k_pe, kv_cache, q, q[:])
+
+    def in_place(positions, slot_mapping, table, kv_c, k_pe, kv_cache, q, unused):
+        return _prefill_step(positions, slot_mapping, table, kv_c, k_pe, kv_cache, q, None)
+
+    x = make_mla_inputs(TP8, "bf16", T=6, Td=0, device=device, seed=35)
+    y = x.clone()
+    q_before = x.q.clone()
+    step = view_step if backend is None else _compiled(view_step, backend)
+    got = step(*_prefill_step_args(x, None))
+    want = in_place(*_prefill_step_args(y, None))
+    assert not torch.equal(x.q, q_before), "q not rotated"
+    assert_bytes_equal(x.q, y.q)
+    assert_bytes_equal(got, want)
+    assert_bytes_equal(x.kv_cache, y.kv_cache)
 
 
 def _check_norm_in_place(step, seed, T, N, backend, device):
