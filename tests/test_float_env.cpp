@@ -4,11 +4,13 @@
 // runs on this thread (one thread) and on a fresh thread whose environment its OpenMP workers
 // inherit (two threads), and the caller's environment is intact afterwards.
 #include <gtest/gtest.h>
+#include <omp.h>
 
 #include <cfenv>
 #include <cstdint>
 #include <cstring>
 #include <functional>
+#include <limits>
 #include <random>
 #include <string>
 #include <thread>
@@ -32,15 +34,18 @@ constexpr Device kCpu{};
 struct CallerEnv {
   const char* name;
   int rounding;
-  bool ftz_daz;
+  bool ftz_daz = false;
+  bool trap_invalid = false;  // feenableexcept(FE_INVALID): an invalid operation raises SIGFPE
 };
 std::vector<CallerEnv> caller_envs() {
-  std::vector<CallerEnv> envs = {{"upward", FE_UPWARD, false},
-                                 {"downward", FE_DOWNWARD, false},
-                                 {"toward zero", FE_TOWARDZERO, false}};
+  std::vector<CallerEnv> envs = {
+      {"upward", FE_UPWARD}, {"downward", FE_DOWNWARD}, {"toward zero", FE_TOWARDZERO}};
 #if defined(__x86_64__)
   envs.push_back({"ftz+daz", FE_TONEAREST, true});
   envs.push_back({"upward, ftz+daz", FE_UPWARD, true});
+#endif
+#if defined(__GLIBC__)
+  envs.push_back({"trap on invalid", FE_TONEAREST, false, true});
 #endif
   return envs;
 }
@@ -49,12 +54,37 @@ std::vector<CallerEnv> caller_envs() {
 constexpr unsigned kFtzDaz = 0x8040;  // MXCSR: flush-to-zero (bit 15), denormals-are-zero (bit 6)
 #endif
 
-// Sets `env` on this thread.
+// Sets `env` on this thread; whether it is still set; back to the default.
 void set_env(const CallerEnv& env) {
   std::fesetround(env.rounding);
 #if defined(__x86_64__)
   if (env.ftz_daz) _mm_setcsr(_mm_getcsr() | kFtzDaz);
 #endif
+#if defined(__GLIBC__)
+  if (env.trap_invalid) feenableexcept(FE_INVALID);
+#endif
+}
+
+bool has_env(const CallerEnv& env) {
+  bool same = std::fegetround() == env.rounding;
+#if defined(__x86_64__)
+  same = same && (_mm_getcsr() & kFtzDaz) == (env.ftz_daz ? kFtzDaz : 0u);
+#endif
+#if defined(__GLIBC__)
+  same = same && ((fegetexcept() & FE_INVALID) != 0) == env.trap_invalid;
+#endif
+  return same;
+}
+
+void clear_env() {
+#if defined(__GLIBC__)
+  fedisableexcept(FE_ALL_EXCEPT);
+#endif
+#if defined(__x86_64__)
+  _mm_setcsr(_mm_getcsr() & ~kFtzDaz);
+#endif
+  std::fesetround(FE_TONEAREST);
+  std::feclearexcept(FE_ALL_EXCEPT);
 }
 
 // Runs f with `env` set on this thread, then checks that the environment is still `env` (the
@@ -62,16 +92,9 @@ void set_env(const CallerEnv& env) {
 void in_env(const CallerEnv& env, const std::function<void()>& f) {
   set_env(env);
   f();
-  const int rounding_after = std::fegetround();
-#if defined(__x86_64__)
-  const unsigned ftz_daz_after = _mm_getcsr() & kFtzDaz;
-  _mm_setcsr(_mm_getcsr() & ~kFtzDaz);
-#endif
-  std::fesetround(FE_TONEAREST);
-  EXPECT_EQ(rounding_after, env.rounding) << env.name << ": the caller's rounding mode changed";
-#if defined(__x86_64__)
-  EXPECT_EQ(ftz_daz_after, env.ftz_daz ? kFtzDaz : 0u) << env.name << ": FTZ / DAZ changed";
-#endif
+  const bool kept = has_env(env);
+  clear_env();
+  EXPECT_TRUE(kept) << env.name << ": the caller's environment changed";
 }
 
 // Runs a call (given as `f`) in `env`: Around takes it and runs it.
@@ -93,6 +116,13 @@ void in_env_both_ways(const CallerEnv& env,
 #pragma omp parallel num_threads(2)
         set_env(env);
         f();
+        // The library's regions put every worker's own environment back.
+        int restored[2] = {0, 0};
+#pragma omp parallel num_threads(2)
+        restored[omp_get_thread_num() % 2] = has_env(env) ? 1 : 0;
+        EXPECT_TRUE(restored[0] == 1 && restored[1] == 1) << env.name << ": a worker's environment";
+#pragma omp parallel num_threads(2)
+        if (omp_get_thread_num() != 0) clear_env();  // the workers; in_env clears this thread
       });
     });
     thread.join();
@@ -225,10 +255,11 @@ OpRun decode_q_run() {
   };
 }
 
-OpRun rms_norm_run() {
-  return [](const Context& ctx, const Around& around) {
+// tiny: |x| <= 1e-20, whose squares are subnormal (flush-to-zero drops them from the sum).
+OpRun rms_norm_run(bool tiny) {
+  return [tiny](const Context& ctx, const Around& around) {
     std::mt19937_64 rng(14);
-    Tensor in = random_tensor(kCpu, DType::kBFloat16, {kT, kL}, rng);
+    Tensor in = random_tensor(kCpu, DType::kBFloat16, {kT, kL}, rng, tiny ? 1e-20f : 2.0f);
     Tensor w = random_tensor(kCpu, DType::kBFloat16, {kL}, rng);
     Tensor out = poisoned_tensor(kCpu, DType::kBFloat16, {kT, kL});
     RmsNormParams p;
@@ -236,44 +267,78 @@ OpRun rms_norm_run() {
     p.input = in.device_view();
     p.weight = w.device_view();
     p.output = out.device_view();
+    p.eps = tiny ? 1e-38f : 1e-6f;
     around([&] { rms_norm(p, ctx); });
     return std::vector<std::vector<uint8_t>>{out.buffer->download()};
   };
 }
 
-OpRun gather_run() {
-  return [](const Context& ctx, const Around& around) {
+// The cache is written with scale 0.0417 (not a power of two: the read-back's products round) and
+// read back with `read_scale`; 3e-38 makes most products subnormal (flush-to-zero drops them).
+OpRun gather_run(bool sequences, float read_scale) {
+  return [sequences, read_scale](const Context& ctx, const Around& around) {
     std::mt19937_64 rng(15);
     CacheGeometry g;
     g.format = CacheFormat::kFloat8E4M3;
-    g.scale = 0.0625f;
+    g.scale = 0.0417f;
     TestCache cache = new_cache(kCpu, g);
     fill_cache_with_entries(kCpu, cache, rng);
-    Tensor slot = index_tensor(kCpu, DType::kInt64, slots());
+    set_scalar_f32(cache.scale, read_scale);
+    cache.scale.buffer->upload();
     Tensor out = poisoned_tensor(kCpu, DType::kBFloat16, {kT, kL + kR});
-    GatherCacheSlotsParams p;
-    p.num_tokens = kT;
-    p.kv_cache = cache.device_view();
-    p.slots = slot.device_view();
-    p.out = out.device_view();
-    around([&] { gather_cache_slots(p, ctx); });
+    if (!sequences) {
+      Tensor slot = index_tensor(kCpu, DType::kInt64, slots());
+      GatherCacheSlotsParams p;
+      p.num_tokens = kT;
+      p.kv_cache = cache.device_view();
+      p.slots = slot.device_view();
+      p.out = out.device_view();
+      around([&] { gather_cache_slots(p, ctx); });
+    } else {
+      // Two sequences of 40 and 24 tokens over blocks of 16.
+      Tensor table = new_tensor(kCpu, DType::kInt32, {2, 3});
+      const int32_t blocks[6] = {5, 0, 7, 2, 6, 1};
+      std::memcpy(table.buffer->host.data(), blocks, sizeof blocks);
+      table.buffer->upload();
+      Tensor cu = new_tensor(kCpu, DType::kInt32, {3});
+      const int32_t starts[3] = {0, 40, static_cast<int32_t>(kT)};
+      std::memcpy(cu.buffer->host.data(), starts, sizeof starts);
+      cu.buffer->upload();
+      GatherCacheSequencesParams p;
+      p.num_seqs = 2;
+      p.kv_cache = cache.device_view();
+      p.block_table = table.device_view();
+      p.cu_seq_lens = cu.device_view();
+      p.out = out.device_view();
+      around([&] { gather_cache_sequences(p, ctx); });
+    }
     return std::vector<std::vector<uint8_t>>{out.buffer->download()};
   };
 }
 
-OpRun rmsnorm_quant_run(bool tiny) {
-  return [tiny](const Context& ctx, const Around& around) {
+// The rmsnorm_quant family on fp32 rows of 1536 (q_c's width). tiny: values whose squares are
+// subnormal (|x| <= 1e-20, x^2 <= 1e-40 < FLT_MIN), which flush-to-zero would drop from the sum of
+// squares; eps keeps the mean normal. Row 3 holds an inf: its sum of squares is inf, and inf times
+// the row's 1 / rms (0) is an invalid operation (NaN), which a caller's trap would turn into
+// SIGFPE.
+enum class NormOp { kRmsNormQuant, kDual, kGroupQuant };
+OpRun norm_quant_run(NormOp op, bool tiny) {
+  return [op, tiny](const Context& ctx, const Around& around) {
     std::mt19937_64 rng(16);
     constexpr int64_t N = 1536;
-    // tiny: values whose squares are subnormal (|x| <= 1e-20, x^2 <= 1e-40 < FLT_MIN), which
-    // flush-to-zero would drop from the sum of squares; eps keeps the mean normal.
     const float amplitude = tiny ? 1e-20f : 2.0f;
     Tensor in = random_tensor(kCpu, DType::kFloat32, {kT, N}, rng, amplitude);
+    const float inf = std::numeric_limits<float>::infinity();
+    std::memcpy(in.buffer->host.data() + (3 * N + 5) * sizeof(float), &inf, sizeof inf);
+    in.buffer->upload();
     Tensor w = random_tensor(kCpu, DType::kFloat32, {N}, rng);
     Tensor residual = random_tensor(kCpu, DType::kFloat32, {kT, N}, rng, amplitude);
     Tensor normed = poisoned_tensor(kCpu, DType::kFloat32, {kT, N});
     Tensor values = poisoned_tensor(kCpu, DType::kFloat8E4M3, {kT, N});
     Tensor scales = poisoned_tensor(kCpu, DType::kFloat32, {kT, N / 128});
+    Tensor kv = random_tensor(kCpu, DType::kFloat32, {kT, kL}, rng, amplitude);
+    Tensor kv_w = random_tensor(kCpu, DType::kFloat32, {kL}, rng);
+    Tensor kv_out = poisoned_tensor(kCpu, DType::kFloat32, {kT, kL});
     RmsNormQuantParams p;
     p.num_tokens = kT;
     p.input = in.device_view();
@@ -283,9 +348,33 @@ OpRun rmsnorm_quant_run(bool tiny) {
     p.normed_out = normed.device_view();
     p.quant.values = values.device_view();
     p.quant.scales = scales.device_view();
-    around([&] { rmsnorm_quant(p, ctx); });
+    switch (op) {
+      case NormOp::kRmsNormQuant:
+        around([&] { rmsnorm_quant(p, ctx); });
+        break;
+      case NormOp::kDual: {
+        MlaRmsNormQuantParams d;
+        d.q = p;
+        d.kv.num_tokens = kT;
+        d.kv.input = kv.device_view();
+        d.kv.weight = kv_w.device_view();
+        d.kv.eps = p.eps;
+        d.kv.output = kv_out.device_view();
+        around([&] { mla_rmsnorm_quant(d, ctx); });
+        break;
+      }
+      case NormOp::kGroupQuant: {
+        PerTokenGroupQuantParams g;
+        g.num_tokens = kT;
+        g.input = in.device_view();
+        g.quant = p.quant;
+        around([&] { per_token_group_quant_fp8(g, ctx); });
+        break;
+      }
+    }
     return std::vector<std::vector<uint8_t>>{residual.buffer->download(), normed.buffer->download(),
-                                             values.buffer->download(), scales.buffer->download()};
+                                             values.buffer->download(), scales.buffer->download(),
+                                             kv_out.buffer->download()};
   };
 }
 
@@ -294,10 +383,18 @@ TEST(CallerFloatEnv, EveryOpGivesTheDefaultEnvironmentsBytes) {
       {"rotary_embedding", rotary_run()},
       {"concat_and_cache_mla", concat_run()},
       {"decode_q_concat", decode_q_run()},
-      {"rms_norm", rms_norm_run()},
-      {"gather_cache_slots", gather_run()},
-      {"rmsnorm_quant", rmsnorm_quant_run(false)},
-      {"rmsnorm_quant, tiny rows", rmsnorm_quant_run(true)}};
+      {"rms_norm", rms_norm_run(false)},
+      {"rms_norm, tiny rows", rms_norm_run(true)},
+      {"gather_cache_slots", gather_run(false, 0.0417f)},
+      {"gather_cache_slots, subnormal products", gather_run(false, 3e-38f)},
+      {"gather_cache_sequences", gather_run(true, 0.0417f)},
+      {"gather_cache_sequences, subnormal products", gather_run(true, 3e-38f)},
+      {"rmsnorm_quant", norm_quant_run(NormOp::kRmsNormQuant, false)},
+      {"rmsnorm_quant, tiny rows", norm_quant_run(NormOp::kRmsNormQuant, true)},
+      {"mla_rmsnorm_quant", norm_quant_run(NormOp::kDual, false)},
+      {"mla_rmsnorm_quant, tiny rows", norm_quant_run(NormOp::kDual, true)},
+      {"per_token_group_quant_fp8", norm_quant_run(NormOp::kGroupQuant, false)},
+      {"per_token_group_quant_fp8, tiny rows", norm_quant_run(NormOp::kGroupQuant, true)}};
   for (const auto& [name, run] : ops) {
     const std::vector<std::vector<uint8_t>> want =
         run(Context{}, [](const std::function<void()>& f) { f(); });

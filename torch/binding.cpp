@@ -4,6 +4,8 @@
 #include <cctype>
 #include <string>
 
+#include "common/float_env.h"
+
 namespace mlakv {
 namespace torch_binding {
 
@@ -64,6 +66,14 @@ TensorView to_view(const char* name, const OptTensor& t) {
 TensorView to_view_squeeze_heads(const char* name, const at::Tensor& t) {
   if (t.dim() == 3 && t.size(1) == 1) return to_view(name, t.select(1, 0));
   return to_view(name, t);
+}
+
+float to_float(double value) {
+  const DefaultFloatEnv env;
+  // The volatile accesses keep the conversion between the environment's set and its restore.
+  volatile double in = value;
+  volatile float out = static_cast<float>(in);
+  return out;
 }
 
 const float* to_scale(const char* name, const OptTensor& t, const at::Device& device) {

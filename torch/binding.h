@@ -39,6 +39,10 @@ TensorView to_view_squeeze_heads(const char* name, const at::Tensor& t);
 
 // An fp32 scalar in device memory (scale tensors): nullptr when absent.
 const float* to_scale(const char* name, const OptTensor& t, const at::Device& device);
+// A schema's float argument (a double) as the float the core takes, rounded to nearest even in
+// any floating-point environment of the calling thread (a directed rounding mode or
+// flush-to-zero would change eps or a scale floor otherwise; docs/decisions.md).
+float to_float(double value);
 
 // The cache format: an mlakv name ("bf16", "fp8_e4m3", "fp8_ds_mla", ...), "fp8" for fp8_e4m3,
 // or "auto" for the format of a typed cache tensor.

@@ -68,7 +68,7 @@ void mla_rope_cache_op(const at::Tensor& positions, const at::Tensor& slot_mappi
     p.kv_c = to_view("kv_c", kv_c);
     p.k_pe = to_view_squeeze_heads("k_pe", k_pe);
     p.kv_norm_weight = to_view("kv_norm_weight", kv_norm_weight);
-    p.kv_norm_eps = static_cast<float>(kv_norm_eps);
+    p.kv_norm_eps = to_float(kv_norm_eps);
     p.kv_cache = to_cache_view(kv_cache, cache_format, kv_cache_scale, kv_cache_rope, kv_c.size(-1),
                                p.k_pe.shape[p.k_pe.ndim - 1], "the widths of kv_c and k_pe",
                                ds_mla_pow2_scale);
@@ -172,7 +172,7 @@ void rms_norm_op(at::Tensor& out, const at::Tensor& input, const at::Tensor& wei
     p.num_tokens = leading_size("input", input);
     p.input = to_view("input", input);
     p.weight = to_view("weight", weight);
-    p.eps = static_cast<float>(eps);
+    p.eps = to_float(eps);
     p.output = to_view("out", out);
     rms_norm(p, env.ctx);
   });

@@ -57,7 +57,7 @@ Fp8GroupQuantOutput quant_output(const at::Tensor& out, const at::Tensor& scales
   q.values = to_view("out", out);
   q.scales = to_view("scales", scales);
   q.group_size = group_size;
-  q.scale_floor = scale_floor.has_value() ? static_cast<float>(*scale_floor) : kDefaultScaleFloor;
+  q.scale_floor = scale_floor.has_value() ? to_float(*scale_floor) : kDefaultScaleFloor;
   q.pow2_scale = pow2_scale;
   return q;
 }
@@ -73,7 +73,7 @@ void rmsnorm_quant_op(const at::Tensor& input, const at::Tensor& weight, double 
     p.num_tokens = token_count("rmsnorm_quant", "input", num_tokens, input);
     p.input = to_view("input", input);
     p.weight = to_view("weight", weight);
-    p.eps = static_cast<float>(eps);
+    p.eps = to_float(eps);
     p.residual = to_view("residual", residual);
     p.normed_out = to_view("normed_out", normed_out);
     p.quant = quant_output(out, scales, group_size, scale_floor, pow2_scale);
@@ -94,14 +94,14 @@ void mla_rmsnorm_quant_op(const at::Tensor& q_c, const at::Tensor& q_weight, dou
     p.q.num_tokens = token_count("mla_rmsnorm_quant", "q_c", num_tokens, q_c);
     p.q.input = to_view("q_c", q_c);
     p.q.weight = to_view("q_weight", q_weight);
-    p.q.eps = static_cast<float>(q_eps);
+    p.q.eps = to_float(q_eps);
     p.q.normed_out = to_view("q_normed_out", q_normed_out);
     p.q.residual = to_view("q_residual", q_residual);
     p.q.quant = quant_output(q_out, q_scales, group_size, scale_floor, pow2_scale);
     p.kv.num_tokens = token_count("mla_rmsnorm_quant", "kv_c", num_tokens, kv_c);
     p.kv.input = to_view("kv_c", kv_c);
     p.kv.weight = to_view("kv_weight", kv_weight);
-    p.kv.eps = static_cast<float>(kv_eps);
+    p.kv.eps = to_float(kv_eps);
     p.kv.output = to_view("kv_c_out", kv_c_out);
     mla_rmsnorm_quant(p, env.ctx);
   });

@@ -6,8 +6,16 @@
 // on its thread: fesetround, feenableexcept, or a shared library built with -ffast-math that sets
 // FTZ / DAZ when it loads; and a thread inherits its creator's environment, OpenMP's workers
 // included. Every parallel region of the CPU backend (on each of its threads) and every table
-// builder holds a DefaultFloatEnv: inside, the environment is the default one; afterwards, the
-// caller's again, its exception flags included.
+// builder holds a DefaultFloatEnv, as does the torch binding's conversion of its float arguments:
+// inside, the environment is the default one; afterwards, the thread's own again, exactly (its
+// exception flags as they were: those the library raised are dropped).
+//
+// The compiler does not order arithmetic on registers with the environment's writes (C++ has no
+// FENV_ACCESS, and GCC does not model it): it may compute a value from function arguments before
+// the scope starts, or a value it returns after the scope ends. Results the scope stores to memory
+// (the ops' outputs, a table) are safe, since the writes are calls that may touch memory; scalar
+// arguments and results pass through volatiles inside the scope (src/core/tables.cpp,
+// torch/binding.cpp to_float).
 #pragma once
 
 #if defined(__x86_64__)
@@ -23,13 +31,10 @@ class DefaultFloatEnv {
 #if defined(__x86_64__)
   // float and double arithmetic runs on SSE here, controlled by MXCSR alone (x87 only serves long
   // double, which mlakv does not use). 0x1f80: every exception masked, round to nearest, FTZ and
-  // DAZ off. Reading it costs one instruction; it is written only when the control bits differ.
-  DefaultFloatEnv() : saved_(_mm_getcsr()) {
-    if ((saved_ & ~kFlags) != kDefault) _mm_setcsr(kDefault);
-  }
-  ~DefaultFloatEnv() {
-    if ((saved_ & ~kFlags) != kDefault) _mm_setcsr(saved_);
-  }
+  // DAZ off, no exception flag raised. The caller's value comes back whole at the end, so the
+  // exception flags raised inside are dropped, as with fesetenv below.
+  DefaultFloatEnv() : saved_(_mm_getcsr()) { _mm_setcsr(kDefault); }
+  ~DefaultFloatEnv() { _mm_setcsr(saved_); }
 #else
   DefaultFloatEnv() {
     std::fegetenv(&saved_);
@@ -43,7 +48,6 @@ class DefaultFloatEnv {
  private:
 #if defined(__x86_64__)
   static constexpr unsigned kDefault = 0x1f80;
-  static constexpr unsigned kFlags = 0x3f;  // the sticky exception flags
   unsigned saved_;
 #else
   std::fenv_t saved_;

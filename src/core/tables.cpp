@@ -68,12 +68,15 @@ float double_to_float_round_odd(double d) {
 
 int64_t YarnRopeConfig::max_position() const {
   const DefaultFloatEnv float_env;
-  // vLLM: torch.arange(max_position_embeddings * scaling_factor) -> ceil of the product.
-  return static_cast<int64_t>(std::ceil(static_cast<double>(original_max_position) * factor));
+  // vLLM: torch.arange(max_position_embeddings * scaling_factor) -> ceil of the product. The
+  // product goes through memory inside float_env's scope (see float_env.h).
+  const volatile double product = static_cast<double>(original_max_position) * factor;
+  return static_cast<int64_t>(std::ceil(product));
 }
 
 std::vector<double> rope_cos_sin_table(const RopeTableConfig& config) {
   const DefaultFloatEnv float_env;  // the tables are the same in any caller environment
+  // (its results are stored to memory, so the compiler computes them inside float_env's scope)
   check_rotary_dim("rope_cos_sin_table", config.rotary_dim);
   MLAKV_CHECK(config.max_position >= 1, "rope_cos_sin_table: max_position: expected >= 1, got ",
               config.max_position);
@@ -153,16 +156,22 @@ void round_table(const std::vector<double>& table, DType dtype, void* out) {
   }
 }
 
+// The arguments are read, and the results written, through volatiles inside float_env's scope:
+// the compiler would otherwise be free to compute in registers before or after it (float_env.h).
 double yarn_get_mscale(double factor, double mscale) {
   const DefaultFloatEnv float_env;
-  if (factor <= 1.0) return 1.0;
-  return 0.1 * mscale * std::log(factor) + 1.0;
+  const volatile double f = factor;
+  const volatile double m = mscale;
+  if (f <= 1.0) return 1.0;
+  const volatile double result = 0.1 * m * std::log(f) + 1.0;
+  return result;
 }
 
 double yarn_softmax_scale_multiplier(double factor, double mscale_all_dim) {
   const DefaultFloatEnv float_env;
-  const double m = yarn_get_mscale(factor, mscale_all_dim);
-  return m * m;
+  const volatile double m = yarn_get_mscale(factor, mscale_all_dim);
+  const volatile double result = m * m;
+  return result;
 }
 
 }  // namespace mlakv

@@ -1,6 +1,9 @@
 """Every op of torch.ops.mlakv against mlakv.reference, over the named configs and cache formats."""
 
+import contextlib
+import ctypes
 import math
+import platform
 
 import pytest
 import torch
@@ -1174,3 +1177,46 @@ def test_decode_and_prefill_wrappers_set_td(device):
     call_mla(ref.mla_rope_cache, y, "bf16", decode=False)
     for name in ("kv_cache", "q"):
         assert_bytes_equal(getattr(x, name), getattr(y, name))
+
+
+# ---- the caller's floating-point environment ---------------------------------------------------
+@contextlib.contextmanager
+def _caller_float_env(upward=False, flush_denormal=False):
+    """This thread with the rounding mode upward (glibc fesetround; x86-64's FE_UPWARD) and/or
+    flush-to-zero + denormals-are-zero (torch.set_flush_denormal), put back afterwards."""
+    libc = ctypes.CDLL(None)
+    try:
+        if upward:
+            assert libc.fesetround(0x800) == 0
+        if flush_denormal:
+            assert torch.set_flush_denormal(True)
+        yield
+    finally:
+        libc.fesetround(0)
+        torch.set_flush_denormal(False)
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="x86-64's fenv constants")
+def test_float_arguments_round_to_nearest_in_any_environment(device):
+    """The binding turns a schema's float (a double: eps, scale_floor) into the core's float rounded
+    to nearest, whatever rounding mode or flush-to-zero the calling thread has: upward rounding
+    would move eps = 1e-6 up an ulp, and flush-to-zero would make eps = 1e-40 zero (an all-zero
+    row then normalizes to NaN instead of 0)."""
+    g = torch.Generator().manual_seed(40)
+    x = (torch.randn(6, 512, generator=g) * 1e-5).to(device)
+    w = torch.ones(512, device=device)
+    zeros = torch.zeros(6, 512, device=device)
+
+    def run():
+        return (mlakv.rms_norm(x, w, 1e-6),
+                mlakv.rms_norm(zeros, w, 1e-40),
+                *mlakv.rmsnorm_quant(zeros, w, 1e-40, scale_floor=1.2345678e-38),
+                *mlakv.rmsnorm_quant(x, w, 1e-6, scale_floor=1e-10 / 448))
+
+    want = run()
+    assert not torch.isnan(want[1]).any()
+    for upward, flush in ((True, False), (False, True), (True, True)):
+        with _caller_float_env(upward, flush):
+            got = run()
+        for a, b in zip(got, want):
+            assert_bytes_equal(a, b)
