@@ -300,10 +300,7 @@ OpRun gather_run(bool sequences, float read_scale) {
       const int32_t blocks[6] = {5, 0, 7, 2, 6, 1};
       std::memcpy(table.buffer->host.data(), blocks, sizeof blocks);
       table.buffer->upload();
-      Tensor cu = new_tensor(kCpu, DType::kInt32, {3});
-      const int32_t starts[3] = {0, 40, static_cast<int32_t>(kT)};
-      std::memcpy(cu.buffer->host.data(), starts, sizeof starts);
-      cu.buffer->upload();
+      Tensor cu = index_tensor(kCpu, DType::kInt32, {0, 40, kT});
       GatherCacheSequencesParams p;
       p.num_seqs = 2;
       p.kv_cache = cache.device_view();
@@ -395,7 +392,10 @@ TEST(CallerFloatEnv, EveryOpGivesTheDefaultEnvironmentsBytes) {
       {"mla_rmsnorm_quant, tiny rows", norm_quant_run(NormOp::kDual, true)},
       {"per_token_group_quant_fp8", norm_quant_run(NormOp::kGroupQuant, false)},
       {"per_token_group_quant_fp8, tiny rows", norm_quant_run(NormOp::kGroupQuant, true)}};
-  for (const auto& [name, run] : ops) {
+  for (const auto& op : ops) {
+    // Named copies: a lambda cannot capture a structured binding in C++17.
+    const char* name = op.first;
+    const OpRun& run = op.second;
     const std::vector<std::vector<uint8_t>> want =
         run(Context{}, [](const std::function<void()>& f) { f(); });
     for (const CallerEnv& env : caller_envs()) {
