@@ -31,8 +31,8 @@ struct Context {
   // error_counts; reads device memory on the host, so not for CUDA-graph capture. The ops that
   // count nothing (rmsnorm_quant.h) ignore it and error_counts.
   bool checked = false;
-  // CPU backend threads; 0 = all hardware threads (OpenMP's default); more than the hardware's
-  // threads count as all of them.
+  // CPU backend threads; 0 = OpenMP's default (omp_get_max_threads(): OMP_NUM_THREADS, else all
+  // hardware threads); more than the hardware's threads count as all of them.
   int32_t num_threads = 0;
   // CUDA backend, sm_90+: programmatic dependent launch. The op's kernel may be scheduled while the
   // previous kernel in the stream is still running and waits for it (griddepcontrol.wait) before

@@ -165,7 +165,7 @@ void gather_cache_sequences(const GatherCacheSequencesParams& params, const Cont
 // ---------------------------------------------------------------------------------------------
 // Error counters.
 
-// Zeroes ctx.error_counts on its device (stream-ordered; graph-safe).
+// Zeroes the counters at `error_counts` on `device` (stream-ordered on `stream`; graph-safe).
 void reset_error_counts(int32_t* error_counts, Device device, void* stream = nullptr);
 // Copies the counters to the host (synchronizes the stream); throws mlakv::Error naming every
 // non-zero counter when `throw_if_nonzero`.

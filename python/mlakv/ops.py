@@ -3,8 +3,9 @@
 Terms (DESIGN.md): T tokens (decode tokens first, then prefill tokens), Td decode tokens, H query
 heads, L = kv_lora_rank, R = qk_rope_head_dim, P = per-head nope width of the un-absorbed query.
 The *model dtype* is the dtype of ``kv_c`` (float32, float16 or bfloat16); every model-dtype
-argument has it. The innermost dimension of every tensor must be contiguous; other strides are
-free (views into larger tensors are fine). Per-token tensors may have more rows than T (CUDA-graph
+argument has it. The innermost dimension of every tensor must be contiguous; other strides must be
+positive on dims of size > 1 (any on size-1 dims), so views into larger tensors are fine (not an
+``expand()``ed one: stride 0); the rmsnorm_quant ops also need 16-byte row strides. Per-token tensors may have more rows than T (CUDA-graph
 padding): the ops that write the cache take T from ``slot_mapping.shape[0]`` and never touch the
 extra rows.
 
