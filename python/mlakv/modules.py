@@ -83,6 +83,7 @@ class DeepseekV3MLAttention(nn.Module):
         self.H, self.L, self.R = c.num_heads, c.kv_lora_rank, c.qk_rope_head_dim
         self.P, self.V = c.qk_nope_head_dim, c.v_head_dim
         self.cache_format = canonical_format(c.cache_format)
+        self._check_model_dtype(c.dtype)
         kw = dict(device=device, dtype=c.dtype)
         qk_head = self.P + self.R
         if c.q_lora_rank is None:
@@ -123,10 +124,20 @@ class DeepseekV3MLAttention(nn.Module):
     # float32, the cache keeps its format's dtype.
     _FIXED_DTYPE_BUFFERS = ("cos_sin_cache", "kv_cache", "kv_cache_scale")
 
+    def _check_model_dtype(self, dtype: torch.dtype) -> None:
+        # The op's rule (fp8_ds_mla stores bf16 rope parts), refused when the layer is built or
+        # cast rather than at its first forward.
+        if self.cache_format == "fp8_ds_mla" and dtype != torch.bfloat16:
+            raise ValueError("mlakv: DeepseekV3MLAttention: cache_format fp8_ds_mla needs a "
+                             f"bfloat16 model dtype, got {dtype}")
+
     def _apply(self, fn, recurse=True):
         """``.to(dtype)``, ``.half()``, ``.bfloat16()`` cast the weights but not the buffers of a
         fixed dtype: those only follow a change of device. The config's dtype (the activations'
-        in forward) follows the weights."""
+        in forward) follows the weights. A cast the cache format does not allow is refused before
+        anything moves."""
+        w = self.kv_b_proj.weight
+        self._check_model_dtype(fn(torch.empty(0, dtype=w.dtype, device=w.device)).dtype)
         kept = {name: self._buffers[name] for name in self._FIXED_DTYPE_BUFFERS
                 if self._buffers.get(name) is not None}
         super()._apply(fn, recurse)

@@ -275,6 +275,28 @@ def test_forward_after_a_dtype_cast(fused):
         engine.dense_check(seq, 2e-2)
 
 
+def test_fp8_ds_mla_needs_a_bf16_layer():
+    """fp8_ds_mla stores bf16 rope parts, so a layer of another dtype is refused when it is built
+    or cast, not at its first forward; a refused cast leaves the layer as it was."""
+    ds_mla = dict(kv_lora_rank=512, qk_rope_head_dim=64, cache_format="fp8_ds_mla")
+    with pytest.raises(ValueError, match="fp8_ds_mla needs a bfloat16 model dtype"):
+        make_layer(dtype=torch.float16, **ds_mla)
+    layer = make_layer(**ds_mla)
+    weight = layer.kv_b_proj.weight.clone()
+    for cast in (layer.half, layer.float, lambda: layer.to(torch.float16)):
+        with pytest.raises(ValueError, match="fp8_ds_mla needs a bfloat16 model dtype"):
+            cast()
+    assert layer.kv_b_proj.weight.dtype == torch.bfloat16
+    assert layer.config.dtype == torch.bfloat16
+    assert torch.equal(layer.kv_b_proj.weight, weight)
+    layer.to(layer.kv_cache.device)  # a move without a cast is allowed
+    engine = PagedEngine(layer)
+    for decode, prefill in SCENARIO[:2]:
+        engine.step(decode, prefill)
+    # Other formats take any model dtype.
+    assert make_layer(cache_format="fp8_e4m3").half().config.dtype == torch.float16
+
+
 def test_empty_batch():
     """T = 0 (e.g. a padded engine step with nothing to do): an empty output, nothing written."""
     layer = make_layer()
