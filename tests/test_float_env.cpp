@@ -1,8 +1,8 @@
 // mlakv tests: the CPU backend and the host-built RoPE tables give the same bytes whatever
 // floating-point environment the caller left on its thread (src/common/float_env.h): another
-// rounding mode, or flush-to-zero / denormals-are-zero as a -ffast-math library sets them. Each op
-// runs on this thread (one thread) and on a fresh thread whose environment its OpenMP workers
-// inherit (two threads), and the caller's environment is intact afterwards.
+// rounding mode, flush-to-zero / denormals-are-zero as a -ffast-math library sets them, or a trap.
+// Each op runs on this thread (one thread) and on a fresh thread whose OpenMP workers are left in
+// that environment too (two threads), and every thread's environment is intact afterwards.
 #include <gtest/gtest.h>
 #include <omp.h>
 
@@ -177,13 +177,6 @@ using OpRun = std::function<std::vector<std::vector<uint8_t>>(const Context&, co
 
 constexpr int64_t kT = 64, kL = 512, kR = 64, kH = 16;
 
-Tensor table(std::mt19937_64& rng) {
-  Tensor t = new_tensor(kCpu, DType::kFloat32, {256, kR});
-  fill_random(*t.buffer, DType::kFloat32, rng, 1.0f);
-  t.buffer->upload();
-  return t;
-}
-
 std::vector<int64_t> positions() {
   std::vector<int64_t> p(kT);
   for (int64_t t = 0; t < kT; ++t) p[static_cast<size_t>(t)] = (t * 37) % 256;
@@ -201,7 +194,7 @@ OpRun rotary_run() {
     std::mt19937_64 rng(11);
     Tensor q = random_tensor(kCpu, DType::kBFloat16, {kT, kH, kR}, rng);
     Tensor k = random_tensor(kCpu, DType::kBFloat16, {kT, 1, kR}, rng);
-    Tensor cs = table(rng);
+    Tensor cs = random_tensor(kCpu, DType::kFloat32, {256, kR}, rng, 1.0f);  // a cos/sin table
     Tensor pos = index_tensor(kCpu, DType::kInt64, positions());
     RotaryEmbeddingParams p;
     p.num_tokens = kT;

@@ -93,11 +93,13 @@ CacheFormat to_cache_format(c10::string_view name, const at::Tensor& kv_cache) {
   if (format != "auto") {
     try {
       return parse_cache_format(format.c_str());
-    } catch (const Error&) {  // the core names its own parameter: name the op's argument
-      TORCH_CHECK(false,
-                  "mlakv: cache_format: expected one of bf16, fp16, fp32, fp8_e4m3, fp8_e5m2, "
-                  "fp8_ds_mla, fp8 or auto, got \"",
-                  format, "\"");
+    } catch (const Error& e) {
+      // The core's message ("parse_cache_format: name: expected one of <its names>, got ...")
+      // names its own parameter: name the op's argument, with the two names only it takes.
+      std::string text = e.message();
+      text.erase(0, text.find("expected"));
+      text.insert(text.find(", got "), ", fp8 or auto");
+      TORCH_CHECK(false, "mlakv: cache_format: ", text);
     }
   }
   switch (kv_cache.scalar_type()) {

@@ -5,9 +5,9 @@ heads, L = kv_lora_rank, R = qk_rope_head_dim, P = per-head nope width of the un
 The *model dtype* is the dtype of ``kv_c`` (float32, float16 or bfloat16); every model-dtype
 argument has it. The innermost dimension of every tensor must be contiguous; other strides must be
 positive on dims of size > 1 (any on size-1 dims), so views into larger tensors are fine (not an
-``expand()``ed one: stride 0); the rmsnorm_quant ops also need 16-byte row strides. Per-token tensors may have more rows than T (CUDA-graph
-padding): the ops that write the cache take T from ``slot_mapping.shape[0]`` and never touch the
-extra rows.
+``expand()``ed one: stride 0); the rmsnorm_quant ops also need 16-byte row strides. Per-token
+tensors may have more rows than T (CUDA-graph padding): the ops that write the cache take T from
+``slot_mapping.shape[0]`` and never touch the extra rows.
 
 Caches are ``[num_blocks, block_size, entry]`` tensors (see ``mlakv.cache``); ``cache_format``
 names the format ("bf16", "fp16", "fp32", "fp8_e4m3" or "fp8", "fp8_e5m2", "fp8_ds_mla"), or

@@ -75,8 +75,9 @@ int64_t YarnRopeConfig::max_position() const {
 }
 
 std::vector<double> rope_cos_sin_table(const RopeTableConfig& config) {
-  const DefaultFloatEnv float_env;  // the tables are the same in any caller environment
-  // (its results are stored to memory, so the compiler computes them inside float_env's scope)
+  // The table is the same in any caller environment; it is stored to memory, so the compiler
+  // computes it inside float_env's scope (float_env.h).
+  const DefaultFloatEnv float_env;
   check_rotary_dim("rope_cos_sin_table", config.rotary_dim);
   MLAKV_CHECK(config.max_position >= 1, "rope_cos_sin_table: max_position: expected >= 1, got ",
               config.max_position);
