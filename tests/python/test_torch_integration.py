@@ -280,6 +280,11 @@ def _prefill_step(positions, slot_mapping, table, kv_c, k_pe, kv_cache, q, q_pre
     return q * 2
 
 
+def _prefill_step_in_place(positions, slot_mapping, table, kv_c, k_pe, kv_cache, q, unused):
+    """_prefill_step with q rotated in place (q_prefill_out absent)."""
+    return _prefill_step(positions, slot_mapping, table, kv_c, k_pe, kv_cache, q, None)
+
+
 def _prefill_step_args(x, q_prefill_out):
     return (x.positions, x.slot_mapping, x.cos_sin_cache, x.kv_c, x.k_pe, x.kv_cache, x.q,
             q_prefill_out)
@@ -321,9 +326,8 @@ def test_separate_q_prefill_out_leaves_q_read_only(device):
     assert kwargs["q"] not in kwargs["_all_bases"]
     assert kwargs["_q_prefill_out_base_index"] is not None
 
-    def in_place(positions, slot_mapping, table, kv_c, k_pe, kv_cache, q, unused):
-        return _prefill_step(positions, slot_mapping, table, kv_c, k_pe, kv_cache, q, None)
-    op, kwargs = _functionalized_mla_call(in_place, _prefill_step_args(x, torch.zeros_like(x.q)))
+    op, kwargs = _functionalized_mla_call(_prefill_step_in_place,
+                                          _prefill_step_args(x, torch.zeros_like(x.q)))
     assert op is OPS.mla_rope_cache.default
     assert "q" not in kwargs and kwargs["_q_base_index"] is not None
 
@@ -355,15 +359,12 @@ def test_q_prefill_out_a_view_of_q(backend, device):
     def view_step(positions, slot_mapping, table, kv_c, k_pe, kv_cache, q, unused):
         return _prefill_step(positions, slot_mapping, table, kv_c, k_pe, kv_cache, q, q[:])
 
-    def in_place(positions, slot_mapping, table, kv_c, k_pe, kv_cache, q, unused):
-        return _prefill_step(positions, slot_mapping, table, kv_c, k_pe, kv_cache, q, None)
-
     x = make_mla_inputs(TP8, "bf16", T=6, Td=0, device=device, seed=35)
     y = x.clone()
     q_before = x.q.clone()
     step = view_step if backend is None else _compiled(view_step, backend)
     got = step(*_prefill_step_args(x, None))
-    want = in_place(*_prefill_step_args(y, None))
+    want = _prefill_step_in_place(*_prefill_step_args(y, None))
     assert not torch.equal(x.q, q_before), "q not rotated"
     assert_bytes_equal(x.q, y.q)
     assert_bytes_equal(got, want)
