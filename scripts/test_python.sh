@@ -38,10 +38,23 @@ else
   fi
   PY=$VENV/bin/python
   start=$(date +%s)
-  # The PyPI wheel of torch is the CUDA 13 build (it pulls the nvidia-* runtime wheels, ~4.5 GB,
-  # about a minute here); it runs on machines without a GPU.
-  "$PY" -m pip install -q --disable-pip-version-check "torch==$TORCH_VERSION" numpy pytest \
-    "scikit-build-core>=0.10" ninja cmake
+  # The PyPI wheel of torch is the CUDA 13 build (it pulls the nvidia-* runtime wheels: ~3 GB to
+  # download, ~5 GB installed, about a minute here); it runs on machines without a GPU. A venv
+  # without it needs that room: say so before pip fails half way with ENOSPC. No pip cache: it
+  # would keep another copy of the downloads.
+  if ! "$PY" -m pip show -q torch >/dev/null 2>&1; then
+    need_gb=9
+    for dir in "$VENV" "${TMPDIR:-/tmp}"; do
+      free_gb=$(df -P -BG "$dir" | awk 'NR == 2 { sub("G", "", $4); print $4 }')
+      if ((free_gb < need_gb)); then
+        echo "== Python suite: $free_gb GB free under $dir; installing torch $TORCH_VERSION" \
+          "needs about $need_gb GB there (free some space, or set MLAKV_VENV / TMPDIR)" >&2
+        exit 1
+      fi
+    done
+  fi
+  "$PY" -m pip install -q --disable-pip-version-check --no-cache-dir "torch==$TORCH_VERSION" \
+    numpy pytest "scikit-build-core>=0.10" ninja cmake
   echo "== python packages ready in $(( $(date +%s) - start )) s"
 fi
 export PATH="$(dirname "$PY"):$PATH"
