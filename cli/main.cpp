@@ -81,9 +81,10 @@ int run(int argc, char** argv) {
                    "decode_nope_in_q_out, prefill_bf16, mixed_bf16, rmsnorm_quant_qc, "
                    "mla_rmsnorm_quant; default all")
       ->delimiter(',');
+  // T up to 2^24: the byte counts of the largest row (T * H * (L + R) * ...) stay far from int64.
   bench->add_option("--tokens", bench_options.tokens, "Token counts T (comma separated)")
       ->delimiter(',')
-      ->check(CLI::PositiveNumber);
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 24));
   bench->add_option("--iters", bench_options.iters, "Timed runs per measurement (0: adaptive)")
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();

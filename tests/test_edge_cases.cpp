@@ -532,6 +532,31 @@ TEST(CpuThreads, CountAboveTheSystemsThreadsIsCapped) {
   expect_thread_count_capped(int64_t{1} << 18, 8, INT32_MAX, 910);
 }
 
+// A batch without decode tokens may pass its decode buffers empty ([0, H, ...]) with any H the
+// view rules allow: the op runs its K side alone. The CPU backend's estimate of the bytes it moves
+// once multiplied H into a prefill term with no work behind it and passed int64 (UBSan in CI).
+TEST(CpuThreads, EmptyDecodeBuffersWithAnyHeadCount) {
+  constexpr int64_t T = 1, L = 512, R = 64, H = int64_t{1} << 55;
+  std::vector<uint16_t> kv_c(L), k_pe(R, 0x3f80), cache(L + R, 0xffff);
+  for (int64_t i = 0; i < L; ++i) kv_c[i] = static_cast<uint16_t>(0x3f80 + i);
+  std::vector<int64_t> position(1, 0), slot(1, 0);
+  std::vector<float> table(R, 0.5f);
+  MlaRopeCacheParams p;
+  p.num_tokens = T;
+  p.num_decode_tokens = 0;
+  p.positions = make_view(position.data(), DType::kInt64, {T});
+  p.slot_mapping = make_view(slot.data(), DType::kInt64, {T});
+  p.cos_sin_cache = make_view(table.data(), DType::kFloat32, {1, R});
+  p.kv_c = make_view(kv_c.data(), DType::kBFloat16, {T, L});
+  p.k_pe = make_view(k_pe.data(), DType::kBFloat16, {T, R});
+  p.kv_cache = make_cache_view(cache.data(), CacheFormat::kBFloat16, 1, 1, L, R);
+  p.q_out = make_strided_view(nullptr, DType::kBFloat16, {0, H, L + R}, {1, 1, 1});
+  p.q_pe = make_strided_view(nullptr, DType::kBFloat16, {0, H, R}, {1, 1, 1});
+  mla_rope_cache(p);
+  EXPECT_TRUE(std::equal(kv_c.begin(), kv_c.end(), cache.begin())) << "the latent not cached";
+  EXPECT_NE(cache[L], 0xffff) << "the rope part not cached";
+}
+
 }  // namespace
 }  // namespace test
 }  // namespace mlakv

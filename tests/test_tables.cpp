@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #include "mlakv/mlakv.h"
@@ -212,6 +213,78 @@ TEST(Tables, RejectsBadConfig) {
   mlakv::YarnRopeConfig y = deepseek_v3();
   y.rotary_dim = 0;
   EXPECT_THROW(mlakv::yarn_cos_sin_table(y), mlakv::Error);
+}
+
+// Sizes and factors the tables cannot hold are refused with an mlakv::Error before anything is
+// allocated: a max_position * rotary_dim past 2^53 entries (2^58 + 1 rows of 64 wrapped the size
+// to 64 doubles and wrote past them), and a YaRN factor whose position count is not finite or
+// passes 2^53 (its conversion to int64 was undefined, and gave an empty table).
+TEST(Tables, RejectsSizesPastTheLimit) {
+  const auto expect_error = [](auto fn, const char* what) {
+    try {
+      fn();
+      ADD_FAILURE() << "not refused: " << what;
+    } catch (const mlakv::Error& e) {
+      EXPECT_NE(std::string(e.message()).find(what), std::string::npos) << e.message();
+    }
+  };
+  mlakv::RopeTableConfig c;
+  c.max_position = (int64_t{1} << 58) + 1;
+  expect_error([&] { mlakv::rope_cos_sin_table(c); }, "max_position * rotary_dim");
+  c.max_position = int64_t{1} << 47;  // 2^53 entries of R = 64 would pass; 2^47 + 1 rows would not
+  c.max_position += 1;
+  expect_error([&] { mlakv::rope_cos_sin_table(c); }, "max_position * rotary_dim");
+  c.max_position = 4;
+  c.rotary_dim = (int64_t{1} << 52) + 2;
+  expect_error([&] { mlakv::rope_cos_sin_table(c); }, "max_position * rotary_dim");
+  c.rotary_dim = 64;
+  c.base = INFINITY;
+  expect_error([&] { mlakv::rope_cos_sin_table(c); }, "base");
+
+  for (const double factor : {double{INFINITY}, double{NAN}, 1e300, 0x1p58}) {
+    SCOPED_TRACE(factor);
+    mlakv::YarnRopeConfig y = deepseek_v3();
+    y.original_max_position = 1;
+    y.factor = factor;
+    expect_error([&] { y.max_position(); }, "original_max_position * factor");
+    expect_error([&] { mlakv::yarn_cos_sin_table(y); }, "factor");
+  }
+  mlakv::YarnRopeConfig y = deepseek_v3();
+  y.factor = 0x1p40;  // 2^52 positions: a valid count, but 2^58 entries
+  EXPECT_EQ(y.max_position(), int64_t{4096} << 40);
+  expect_error([&] { mlakv::yarn_cos_sin_table(y); }, "max_position * rotary_dim");
+  y = deepseek_v3();
+  y.beta_fast = INFINITY;
+  expect_error([&] { mlakv::yarn_cos_sin_table(y); }, "beta_fast");
+  y = deepseek_v3();
+  y.base = INFINITY;
+  expect_error([&] { mlakv::yarn_cos_sin_table(y); }, "base");
+}
+
+// Within the limit, a table the host cannot allocate is an mlakv::Error too (not std::bad_alloc).
+// AddressSanitizer aborts on such an allocation instead of failing it, so this case runs only
+// without it.
+#if defined(__SANITIZE_ADDRESS__)
+#define MLAKV_TEST_ASAN 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define MLAKV_TEST_ASAN 1
+#endif
+#endif
+TEST(Tables, AllocationFailureIsAnMlakvError) {
+#ifdef MLAKV_TEST_ASAN
+  GTEST_SKIP() << "AddressSanitizer aborts on allocations it cannot serve";
+#else
+  mlakv::RopeTableConfig c;
+  c.max_position = int64_t{1} << 46;  // 2^52 doubles: 32 PiB
+  try {
+    mlakv::rope_cos_sin_table(c);
+    ADD_FAILURE() << "a 32 PiB table was allocated";
+  } catch (const mlakv::Error& e) {
+    EXPECT_NE(std::string(e.message()).find("could not allocate"), std::string::npos)
+        << e.message();
+  }
+#endif
 }
 
 uint16_t bits16(const std::vector<uint16_t>& v, size_t i) { return v[i]; }

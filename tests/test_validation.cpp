@@ -1412,6 +1412,37 @@ TEST(Validation, ViewHelpersEdges) {
   EXPECT_TRUE(v4.is_contiguous());
   EXPECT_THROW(mlakv::make_view(dummy, DType::kFloat32, {1, 1, 2, 2, 2}), mlakv::Error);
   EXPECT_THROW(mlakv::make_view(dummy, DType::kFloat32, {}), mlakv::Error);
+  // An empty tensor's view, written the natural way (null data, as the ops allow for no rows).
+  const TensorView empty = mlakv::make_view(nullptr, DType::kInt64, {0});
+  EXPECT_TRUE(empty.present());
+  EXPECT_EQ(empty.data, nullptr);
+  EXPECT_EQ(empty.numel(), 0);
+}
+
+// Sizes whose products pass int64 (run under UBSan in CI: each product below overflowed once).
+// make_view refuses strides it cannot represent, but needs no product of all sizes; a strided view
+// computes none; is_contiguous answers false where its expected stride would pass int64, and for
+// a view of more dims than it holds (describe() says how many).
+TEST(Validation, ViewHelpersProductsPastInt64) {
+  int64_t dummy[8] = {};
+  constexpr int64_t k32 = int64_t{1} << 32;
+  EXPECT_THROW(mlakv::make_view(dummy, DType::kBFloat16, {2, k32, k32}), mlakv::Error);
+  const TensorView outer = mlakv::make_view(dummy, DType::kBFloat16, {int64_t{1} << 62, 4});
+  EXPECT_EQ(outer.stride[0], 4);
+  EXPECT_EQ(outer.numel(), INT64_MAX);
+  const TensorView strided = mlakv::make_strided_view(dummy, DType::kBFloat16, {k32, k32}, {1, 1});
+  EXPECT_EQ(strided.stride[0], 1);
+  EXPECT_FALSE(strided.is_contiguous());
+  // Rows 0 and 1 at one address: the wrapped product 2^32 * 2^32 * 2 = 0 once made this "true".
+  EXPECT_FALSE(mlakv::make_strided_view(dummy, DType::kBFloat16, {2, k32, k32}, {0, k32, 1})
+                   .is_contiguous());
+  EXPECT_TRUE(mlakv::make_strided_view(dummy, DType::kBFloat16, {1, k32, k32}, {7, k32, 1})
+                  .is_contiguous());
+  TensorView six = mlakv::make_view(dummy, DType::kFloat32, {1, 1, 1, 1});
+  six.ndim = 6;  // built by hand: no helper makes one
+  EXPECT_FALSE(six.is_contiguous());
+  EXPECT_EQ(six.describe().rfind("ndim 6 (at most 4, first dims) float32[1, 1, 1, 1]", 0), 0u)
+      << six.describe();
 }
 
 // memory.h's helpers on the CPU: copies and memset move exactly the bytes asked for (the bytes

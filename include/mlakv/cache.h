@@ -68,10 +68,7 @@ struct KVCacheView {
   bool ds_mla_pow2_scale = false;
 
   // num_blocks * block_size; INT64_MAX past int64 (a view that no validator accepts).
-  int64_t num_slots() const {
-    int64_t n = 0;
-    return __builtin_mul_overflow(num_blocks, block_size, &n) ? INT64_MAX : n;
-  }
+  int64_t num_slots() const;
   bool is_split() const { return rope_data != nullptr; }
 };
 

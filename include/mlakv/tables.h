@@ -29,10 +29,13 @@ struct YarnRopeConfig {
   double attn_factor = 1.0;
   double extrapolation_factor = 1.0;
 
+  // ceil(original_max_position * factor); an mlakv::Error when that is not finite or passes 2^53.
   int64_t max_position() const;
 };
 
-// [max_position * rotary_dim] doubles, row-major: the exact table before rounding.
+// [max_position * rotary_dim] doubles, row-major: the exact table before rounding. A table of
+// more than 2^53 entries, a non-finite base, factor or beta, and a failed allocation are refused
+// with an mlakv::Error.
 std::vector<double> rope_cos_sin_table(const RopeTableConfig& config);
 std::vector<double> yarn_cos_sin_table(const YarnRopeConfig& config);
 

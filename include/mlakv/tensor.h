@@ -52,8 +52,8 @@ struct TensorView {
 
   bool present() const { return ndim > 0; }
   int64_t size(int dim) const { return shape[dim]; }
-  int64_t numel() const;  // the sizes' product: 0 when one is <= 0, INT64_MAX past int64
-  bool is_contiguous() const;
+  int64_t numel() const;         // the sizes' product: 0 when one is <= 0, INT64_MAX past int64
+  bool is_contiguous() const;    // false for ndim > kMaxDims
   std::string describe() const;  // "bfloat16[16, 128, 576] strides [73728, 576, 1] on cuda:0"
 };
 
@@ -62,6 +62,11 @@ TensorView make_view(void* data, DType dtype, std::initializer_list<int64_t> sha
                      Device device = {});
 TensorView make_view(const void* data, DType dtype, std::initializer_list<int64_t> shape,
                      Device device = {});
+// make_view(nullptr, ...): an empty tensor's view (the ops take null data where there is nothing).
+inline TensorView make_view(std::nullptr_t, DType dtype, std::initializer_list<int64_t> shape,
+                            Device device = {}) {
+  return make_view(static_cast<void*>(nullptr), dtype, shape, device);
+}
 // A view with explicit strides (elements).
 TensorView make_strided_view(void* data, DType dtype, std::initializer_list<int64_t> shape,
                              std::initializer_list<int64_t> strides, Device device = {});

@@ -23,6 +23,11 @@ constexpr FormatName kFormatNames[] = {
 
 }  // namespace
 
+int64_t KVCacheView::num_slots() const {
+  int64_t n = 0;
+  return __builtin_mul_overflow(num_blocks, block_size, &n) ? INT64_MAX : n;
+}
+
 const char* cache_format_name(CacheFormat format) {
   for (const FormatName& f : kFormatNames) {
     if (f.format == format) return f.name;

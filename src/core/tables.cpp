@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <new>
 #include <vector>
 
 #include "common/float_env.h"
@@ -17,17 +18,36 @@ namespace {
 
 constexpr double kPi = 3.14159265358979323846;
 
+// A table holds at most 2^53 doubles (2^56 bytes, the library's bound on a view's extent).
+constexpr int64_t kMaxTableElements = int64_t{1} << 53;
+
 void check_rotary_dim(const char* fn, int64_t rotary_dim) {
   MLAKV_CHECK(rotary_dim >= 2 && rotary_dim % 2 == 0, fn,
               ": rotary_dim: expected an even value >= 2, got ", rotary_dim);
 }
 
+// max_position * rotary_dim within kMaxTableElements (checked before anything is allocated).
+void check_table_size(const char* fn, int64_t max_position, int64_t rotary_dim) {
+  MLAKV_CHECK(max_position <= kMaxTableElements / rotary_dim, fn,
+              ": max_position * rotary_dim: expected at most 2^53 table entries, got ",
+              max_position, " * ", rotary_dim);
+}
+
+// std::vector<double>(n), with an allocation failure reported as an mlakv::Error.
+std::vector<double> doubles(const char* fn, int64_t n) {
+  try {
+    return std::vector<double>(static_cast<size_t>(n));
+  } catch (const std::bad_alloc&) {
+    MLAKV_FAIL(fn, ": could not allocate ", n, " doubles on the host");
+  }
+}
+
 // Row p = [cos(p * inv_freq[i]) * mscale for i < R/2 | sin(p * inv_freq[i]) * mscale].
-std::vector<double> build_table(const std::vector<double>& inv_freq, int64_t max_position,
-                                double mscale) {
+std::vector<double> build_table(const char* fn, const std::vector<double>& inv_freq,
+                                int64_t max_position, double mscale) {
   const int64_t half = static_cast<int64_t>(inv_freq.size());
   const int64_t R = 2 * half;
-  std::vector<double> table(static_cast<size_t>(max_position * R));
+  std::vector<double> table = doubles(fn, max_position * R);
   for (int64_t p = 0; p < max_position; ++p) {
     double* row = table.data() + p * R;
     for (int64_t i = 0; i < half; ++i) {
@@ -71,7 +91,12 @@ int64_t YarnRopeConfig::max_position() const {
   // vLLM: torch.arange(max_position_embeddings * scaling_factor) -> ceil of the product. The
   // product goes through memory inside float_env's scope (see float_env.h).
   const volatile double product = static_cast<double>(original_max_position) * factor;
-  return static_cast<int64_t>(std::ceil(product));
+  const double positions = std::ceil(product);
+  MLAKV_CHECK(std::fabs(positions) <= static_cast<double>(kMaxTableElements),
+              "YarnRopeConfig::max_position: original_max_position * factor: expected a finite "
+              "value within 2^53, got ",
+              original_max_position, " * ", factor);
+  return static_cast<int64_t>(positions);
 }
 
 std::vector<double> rope_cos_sin_table(const RopeTableConfig& config) {
@@ -81,29 +106,36 @@ std::vector<double> rope_cos_sin_table(const RopeTableConfig& config) {
   check_rotary_dim("rope_cos_sin_table", config.rotary_dim);
   MLAKV_CHECK(config.max_position >= 1, "rope_cos_sin_table: max_position: expected >= 1, got ",
               config.max_position);
-  MLAKV_CHECK(config.base > 0.0, "rope_cos_sin_table: base: expected > 0, got ", config.base);
+  MLAKV_CHECK(config.base > 0.0 && std::isfinite(config.base),
+              "rope_cos_sin_table: base: expected a finite value > 0, got ", config.base);
   const int64_t R = config.rotary_dim;
-  std::vector<double> inv_freq(static_cast<size_t>(R / 2));
+  check_table_size("rope_cos_sin_table", config.max_position, R);
+  std::vector<double> inv_freq = doubles("rope_cos_sin_table", R / 2);
   for (int64_t i = 0; i < R / 2; ++i) {
     inv_freq[static_cast<size_t>(i)] =
         1.0 / std::pow(config.base, static_cast<double>(2 * i) / static_cast<double>(R));
   }
-  return build_table(inv_freq, config.max_position, 1.0);
+  return build_table("rope_cos_sin_table", inv_freq, config.max_position, 1.0);
 }
 
 std::vector<double> yarn_cos_sin_table(const YarnRopeConfig& config) {
   const DefaultFloatEnv float_env;
   check_rotary_dim("yarn_cos_sin_table", config.rotary_dim);
-  MLAKV_CHECK(config.base > 1.0, "yarn_cos_sin_table: base: expected > 1, got ", config.base);
-  MLAKV_CHECK(config.factor > 0.0, "yarn_cos_sin_table: factor: expected > 0, got ", config.factor);
+  MLAKV_CHECK(config.base > 1.0 && std::isfinite(config.base),
+              "yarn_cos_sin_table: base: expected a finite value > 1, got ", config.base);
+  MLAKV_CHECK(config.factor > 0.0 && std::isfinite(config.factor),
+              "yarn_cos_sin_table: factor: expected a finite value > 0, got ", config.factor);
   MLAKV_CHECK(config.original_max_position >= 1,
               "yarn_cos_sin_table: original_max_position: expected >= 1, got ",
               config.original_max_position);
-  MLAKV_CHECK(config.beta_fast > 0.0 && config.beta_slow > 0.0,
-              "yarn_cos_sin_table: beta_fast / beta_slow: expected > 0, got ", config.beta_fast,
-              " / ", config.beta_slow);
+  MLAKV_CHECK(config.beta_fast > 0.0 && config.beta_slow > 0.0 && std::isfinite(config.beta_fast) &&
+                  std::isfinite(config.beta_slow),
+              "yarn_cos_sin_table: beta_fast / beta_slow: expected finite values > 0, got ",
+              config.beta_fast, " / ", config.beta_slow);
   const int64_t R = config.rotary_dim;
   const int64_t half = R / 2;
+  const int64_t max_position = config.max_position();
+  check_table_size("yarn_cos_sin_table", max_position, R);
 
   // vLLM's _yarn_find_correction_range.
   const double low = std::max(std::floor(yarn_correction_dim(config.beta_fast, R, config.base,
@@ -114,7 +146,7 @@ std::vector<double> yarn_cos_sin_table(const YarnRopeConfig& config) {
                          static_cast<double>(R - 1));
   if (low == high) high += 0.001;  // vLLM's _yarn_linear_ramp_mask avoids a zero division
 
-  std::vector<double> inv_freq(static_cast<size_t>(half));
+  std::vector<double> inv_freq = doubles("yarn_cos_sin_table", half);
   for (int64_t i = 0; i < half; ++i) {
     const double pos_freq =
         std::pow(config.base, static_cast<double>(2 * i) / static_cast<double>(R));
@@ -127,7 +159,7 @@ std::vector<double> yarn_cos_sin_table(const YarnRopeConfig& config) {
   }
   const double mscale = yarn_get_mscale(config.factor, config.mscale) /
                         yarn_get_mscale(config.factor, config.mscale_all_dim) * config.attn_factor;
-  return build_table(inv_freq, config.max_position(), mscale);
+  return build_table("yarn_cos_sin_table", inv_freq, max_position, mscale);
 }
 
 void round_table(const std::vector<double>& table, DType dtype, void* out) {

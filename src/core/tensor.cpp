@@ -77,12 +77,15 @@ int64_t TensorView::numel() const {
   return n;
 }
 
-// Size-1 dimensions do not constrain their stride (as in PyTorch).
+// Size-1 dimensions do not constrain their stride (as in PyTorch). A view of more than kMaxDims
+// dims is not one, and one whose inner sizes' product passes int64 cannot have the strides.
 bool TensorView::is_contiguous() const {
+  if (ndim > kMaxDims) return false;
   int64_t expected = 1;
+  bool past_int64 = false;
   for (int d = ndim - 1; d >= 0; --d) {
-    if (shape[d] != 1 && stride[d] != expected) return false;
-    expected *= shape[d];
+    if (shape[d] != 1 && (past_int64 || stride[d] != expected)) return false;
+    past_int64 = past_int64 || __builtin_mul_overflow(expected, shape[d], &expected);
   }
   return true;
 }
@@ -90,6 +93,7 @@ bool TensorView::is_contiguous() const {
 std::string TensorView::describe() const {
   if (!present()) return "absent (ndim 0)";
   std::ostringstream os;
+  if (ndim > kMaxDims) os << "ndim " << ndim << " (at most " << kMaxDims << ", first dims) ";
   os << dtype_name(dtype) << "[";
   for (int d = 0; d < ndim && d < kMaxDims; ++d) os << (d ? ", " : "") << shape[d];
   os << "] strides [";
@@ -98,9 +102,13 @@ std::string TensorView::describe() const {
   return os.str();
 }
 
-TensorView make_view(void* data, DType dtype, std::initializer_list<int64_t> shape, Device device) {
-  MLAKV_CHECK(shape.size() >= 1 && shape.size() <= static_cast<size_t>(kMaxDims),
-              "make_view: shape: expected 1 to ", kMaxDims, " dims, got ", shape.size());
+namespace {
+
+// A view of `shape` without strides (the callers set them).
+TensorView shaped_view(const char* fn, void* data, DType dtype,
+                       std::initializer_list<int64_t> shape, Device device) {
+  MLAKV_CHECK(shape.size() >= 1 && shape.size() <= static_cast<size_t>(kMaxDims), fn,
+              ": shape: expected 1 to ", kMaxDims, " dims, got ", shape.size());
   TensorView v;
   v.data = data;
   v.dtype = dtype;
@@ -108,13 +116,25 @@ TensorView make_view(void* data, DType dtype, std::initializer_list<int64_t> sha
   v.device = device;
   int d = 0;
   for (int64_t s : shape) {
-    MLAKV_CHECK(s >= 0, "make_view: shape: expected sizes >= 0, got ", s, " in dim ", d);
+    MLAKV_CHECK(s >= 0, fn, ": shape: expected sizes >= 0, got ", s, " in dim ", d);
     v.shape[d++] = s;
   }
-  int64_t stride = 1;
-  for (d = v.ndim - 1; d >= 0; --d) {
-    v.stride[d] = stride;
-    stride *= v.shape[d];
+  return v;
+}
+
+}  // namespace
+
+TensorView make_view(void* data, DType dtype, std::initializer_list<int64_t> shape, Device device) {
+  TensorView v = shaped_view("make_view", data, dtype, shape, device);
+  // Each stride is the product of the sizes after its dim; the product of all sizes is not needed.
+  v.stride[v.ndim - 1] = 1;
+  for (int d = v.ndim - 1; d > 0; --d) {
+    if (__builtin_mul_overflow(v.stride[d], v.shape[d], &v.stride[d - 1])) {
+      std::ostringstream sizes;
+      for (int i = 0; i < v.ndim; ++i) sizes << (i ? ", " : "") << v.shape[i];
+      MLAKV_FAIL("make_view: shape: expected the sizes after dim 0 to multiply within int64, got [",
+                 sizes.str(), "]");
+    }
   }
   return v;
 }
@@ -129,7 +149,7 @@ TensorView make_strided_view(void* data, DType dtype, std::initializer_list<int6
                              std::initializer_list<int64_t> strides, Device device) {
   MLAKV_CHECK(shape.size() == strides.size(), "make_strided_view: strides: expected ", shape.size(),
               " strides (one per dim of shape), got ", strides.size());
-  TensorView v = make_view(data, dtype, shape, device);
+  TensorView v = shaped_view("make_strided_view", data, dtype, shape, device);
   int d = 0;
   for (int64_t s : strides) v.stride[d++] = s;
   return v;

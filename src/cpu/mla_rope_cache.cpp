@@ -258,8 +258,13 @@ void mla_rope_cache(const core::MlaRopeCacheArgs& args, const Context& ctx) {
     const int64_t chunks = H > 0 ? (H + detail::kHeadChunk - 1) / detail::kHeadChunk : 0;
     const int64_t decode_items = decode_q != nullptr ? Td * chunks : 0;
     const int64_t prefill_items = prefill_q != nullptr ? (T - Td) * chunks : 0;
-    const int64_t bytes = T * (L + R) * elem * 2 + Td * H * (L + R) * elem * 2 +
-                          (T - Td) * H * (args.q_prefill_out != nullptr ? P + R : R) * elem * 2;
+    // Bytes moved, each Q term only where its work runs: its views then hold those bytes (within
+    // 2^56 each, so no product overflows; an empty q_out may have any H).
+    const int64_t bytes =
+        T * (L + R) * elem * 2 + (decode_q != nullptr ? Td * H * (L + R) * elem * 2 : 0) +
+        (prefill_q != nullptr
+             ? (T - Td) * H * (args.q_prefill_out != nullptr ? P + R : R) * elem * 2
+             : 0);
     const int threads = detail::threads_for(ctx, bytes, T + decode_items + prefill_items);
 
 #pragma omp parallel num_threads(threads) if (threads > 1)
