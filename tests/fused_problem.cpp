@@ -260,8 +260,11 @@ MlaRopeCacheParams FusedProblem::params(bool host) const {
   p.num_decode_tokens = spec.Td;
   if (host) p.num_decode_tokens = effective_host_td();
   // The library gets the device Td whatever the entry point; the reference only where it is read.
-  if (device_td.present() && (!host || entry_reads_device_td(spec.entry)))
+  // (With it, the host Td must be 0; the decode entry point sets its own.)
+  if (device_td.present() && (!host || entry_reads_device_td(spec.entry))) {
     p.num_decode_tokens_device = static_cast<const int32_t*>(v(device_td).data);
+    p.num_decode_tokens = 0;
+  }
   p.positions = v(positions);
   p.slot_mapping = v(slot_mapping);
   p.cos_sin_cache = v(cos_sin);

@@ -582,8 +582,18 @@ TEST_F(MlaValidation, DeviceTdNeedsTRows) {
   // With Td on the device, decode tensors need T rows; Td rows are not enough.
   const int32_t* device_td = static_cast<const int32_t*>(arena_.indices32({Td}));
   p_.num_decode_tokens_device = device_td;
+  p_.num_decode_tokens = 0;
   p_.q_out.shape[0] = Td;
   reject(p_, "q_out");
+}
+
+TEST_F(MlaValidation, DeviceTdWithAHostTd) {
+  // The host Td would be ignored beside a device Td: any value but 0 is refused, in range or not.
+  p_.num_decode_tokens_device = static_cast<const int32_t*>(arena_.indices32({Td}));
+  for (const int64_t host_td : {int64_t{Td}, int64_t{-7}, int64_t{1000000}}) {
+    p_.num_decode_tokens = host_td;
+    reject(p_, "num_decode_tokens: expected 0 with num_decode_tokens_device");
+  }
 }
 
 TEST_F(MlaValidation, QOutHeadsDifferFromQPe) {

@@ -42,7 +42,8 @@ const char* rope_style_name(RopeStyle style);
 //   [T, H, P + R], in place, or into q_prefill_out (which then receives the whole head: nope part
 //   copied, rope part rotated).
 // Td: num_decode_tokens_device (a device int32, clamped to [0, T] and counted) if given, else
-// num_decode_tokens (host, must be in [0, T]). With a device Td, decode tensors need T rows too.
+// num_decode_tokens (host, must be in [0, T]). With a device Td, decode tensors need T rows too,
+// and num_decode_tokens must be 0 (it would be ignored).
 // A host Td > 0 requires q_out; q_pe / ql_nope / q_scale without q_out, or q_prefill_out without q,
 // are rejected. With a device Td and no q_out the decode rows get no Q work (K side only).
 // With T = 0 the op reads nothing: a device Td, whatever its value, is neither read nor counted.

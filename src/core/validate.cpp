@@ -469,6 +469,11 @@ MlaRopeCacheArgs validate_mla_rope_cache(const char* op, const MlaRopeCacheParam
   const char* decode_rows_name = "T (device Td)";
   if (device_td) {
     v.scalar_ptr("num_decode_tokens_device", p.num_decode_tokens_device, "int32");
+    // The host Td would be ignored: a value left there is a bug in the caller.
+    MLAKV_ARG_CHECK(v, p.num_decode_tokens == 0, "num_decode_tokens",
+                    "expected 0 with num_decode_tokens_device (the device Td is read instead), "
+                    "got ",
+                    p.num_decode_tokens);
   } else {
     MLAKV_ARG_CHECK(v, p.num_decode_tokens >= 0 && p.num_decode_tokens <= T, "num_decode_tokens",
                     "expected 0 <= Td <= T = ", T, ", got ", p.num_decode_tokens);
