@@ -28,9 +28,11 @@ DType to_dtype(const char* name, at::ScalarType type) {
     case at::kByte:
       return DType::kUInt8;
     default:
+      // No op takes this dtype; each argument's own list comes from the core, for the dtypes
+      // some op takes.
       TORCH_CHECK(false, "mlakv: ", name,
-                  ": expected float32, float16, bfloat16, float8_e4m3fn, float8_e5m2, int32, "
-                  "int64 or uint8, got ",
+                  ": expected a dtype of mlakv's ops (float32, float16, bfloat16, float8_e4m3fn, "
+                  "float8_e5m2, int32, int64 or uint8; each argument takes some of them), got ",
                   type);
   }
 }

@@ -34,7 +34,8 @@ import torch
 
 import mlakv
 from mlakv import reference as ref
-from mlakv.cache import canonical_format, is_per_tensor_fp8
+from mlakv.cache import (CACHE_FORMATS, DS_MLA_LATENT_DIM, DS_MLA_ROPE_DIM, canonical_format,
+                         is_per_tensor_fp8)
 
 ROTATION_BYTES = 200 << 20  # the sets a CUDA timing cycles through: more than an H200's 60 MB L2
 MAX_SETS = 1024
@@ -322,12 +323,35 @@ def plot(result, path):
     print(f"plot written to {path}")
 
 
+def _check_options(parser, args):
+    """Refuses, with the option's name, what the run would otherwise fail on half way."""
+    if args.cache_format == "fp8_ds_mla":
+        shape = CONFIGS[args.config]
+        if (shape["L"], shape["R"]) != (DS_MLA_LATENT_DIM, DS_MLA_ROPE_DIM):
+            parser.error(f"--cache-format fp8_ds_mla: expected a config with L = "
+                         f"{DS_MLA_LATENT_DIM}, R = {DS_MLA_ROPE_DIM}, got --config {args.config} "
+                         f"(L = {shape['L']}, R = {shape['R']})")
+        if args.dtype != "bfloat16":
+            parser.error(f"--cache-format fp8_ds_mla: expected --dtype bfloat16, got {args.dtype}")
+    if args.tokens is not None:
+        try:
+            tokens = [int(t) for t in args.tokens.split(",")]
+        except ValueError:
+            tokens = []
+        if not tokens or min(tokens) < 1:
+            parser.error(f"--tokens: expected comma-separated counts >= 1, got {args.tokens!r}")
+    for name in ("inner", "repeats", "peak_bytes"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            parser.error(f"--{name.replace('_', '-')}: expected >= 1, got {value}")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                    help="cpu, cuda (the current GPU) or cuda:N")
     p.add_argument("--config", default="deepseek_v3_tp8", choices=sorted(CONFIGS))
-    p.add_argument("--cache-format", default="bf16")
+    p.add_argument("--cache-format", default="bf16", choices=[*CACHE_FORMATS, "fp8"])
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--tokens", default=None, help="comma-separated T values")
     p.add_argument("--no-norm", action="store_true", help="leave kv_a_layernorm out")
@@ -338,6 +362,7 @@ def main(argv=None):
     p.add_argument("--plot", default="mlakv_bench.png", help="PNG path ('' for none)")
     p.add_argument("--json", default="", help="write the results as JSON here")
     args = p.parse_args(argv)
+    _check_options(p, args)
     try:
         device = torch.device(args.device)
     except RuntimeError as e:

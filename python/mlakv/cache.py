@@ -213,7 +213,14 @@ def new_error_counts(device="cpu") -> torch.Tensor:
     return torch.zeros(len(ERROR_COUNTER_NAMES), dtype=torch.int32, device=device)
 
 
-def read_error_counts(error_counts: torch.Tensor) -> Dict[str, int]:
-    """The counters as a dict (copies to the host: synchronizes a CUDA stream)."""
+def read_error_counts(error_counts: torch.Tensor,
+                      throw_if_nonzero: bool = False) -> Dict[str, int]:
+    """The counters as a dict (copies to the host: synchronizes a CUDA stream). With
+    ``throw_if_nonzero`` (the checked mode of the C++ API, for debugging an engine), a non-zero
+    counter raises ``RuntimeError`` naming each one."""
     values = error_counts.cpu().tolist()
-    return {name: int(v) for name, v in zip(ERROR_COUNTER_NAMES, values)}
+    counts = {name: int(v) for name, v in zip(ERROR_COUNTER_NAMES, values)}
+    nonzero = ", ".join(f"{name} = {v}" for name, v in counts.items() if v != 0)
+    if throw_if_nonzero and nonzero:
+        raise RuntimeError(f"mlakv: error_counts: non-zero counters: {nonzero}")
+    return counts

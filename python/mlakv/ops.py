@@ -5,7 +5,8 @@ heads, L = kv_lora_rank, R = qk_rope_head_dim, P = per-head nope width of the un
 The *model dtype* is the dtype of ``kv_c`` (float32, float16 or bfloat16); every model-dtype
 argument has it. The innermost dimension of every tensor must be contiguous; other strides must be
 positive on dims of size > 1 (any on size-1 dims), so views into larger tensors are fine (not an
-``expand()``ed one: stride 0); the rmsnorm_quant ops also need 16-byte row strides. Per-token
+``expand()``ed one: stride 0); the rmsnorm_quant ops also need 16-byte row strides and data
+pointers aligned to 16 bytes. Per-token
 tensors may have more rows than T (CUDA-graph padding): the ops that write the cache take T from
 ``slot_mapping.shape[0]`` and never touch the extra rows.
 
@@ -94,7 +95,8 @@ def mla_rope_cache(positions: torch.Tensor, slot_mapping: torch.Tensor,
 
     ``Td`` is ``num_decode_tokens`` (host int in ``[0, T]``), or the int32 ``[1]`` device tensor
     ``num_decode_tokens_device`` when given (clamped to ``[0, T]`` and counted; then the decode
-    tensors need T rows), so one captured CUDA graph serves batches with different splits.
+    tensors need T rows, and ``num_decode_tokens`` must stay 0: it would be ignored), so one
+    captured CUDA graph serves batches with different splits.
 
     ``ds_mla_pow2_scale``: fp8_ds_mla only, round each tile scale up to a power of two.
     ``kv_cache_scale``: fp32 ``[1]`` scale of the per-tensor fp8 formats (None: 1.0).
@@ -227,7 +229,7 @@ def gather_cache_slots(kv_cache: torch.Tensor, slots: torch.Tensor, *, kv_lora_r
 
 
 def gather_cache_sequences(kv_cache: torch.Tensor, block_table: torch.Tensor,
-                           cu_seq_lens: torch.Tensor, num_out_rows: int, *, kv_lora_rank: int,
+                           cu_seq_lens: torch.Tensor, num_out_rows=None, *, kv_lora_rank: int,
                            cache_format: str = "auto",
                            kv_cache_scale: Optional[torch.Tensor] = None,
                            kv_cache_rope: Optional[torch.Tensor] = None,
@@ -243,9 +245,17 @@ def gather_cache_sequences(kv_cache: torch.Tensor, block_table: torch.Tensor,
     Rows at or past ``num_out_rows`` are not written; rows no sequence covers are zeros; block ids
     outside ``[0, num_blocks)``, and tokens past their ``block_table`` row, give zeros and are
     counted. ``num_out_rows`` comes from the host (usually ``cu_seq_lens[-1]``), so the op never
-    reads device memory on the host. With ``out`` given (``num_out_rows`` is then
-    ``out.shape[0]``), only the covered rows are written."""
+    reads device memory on the host. With ``out`` given, ``num_out_rows`` is ``out.shape[0]``
+    (it may be left out; another value is refused), and only the covered rows are written."""
     fmt = _gather_format(cache_format, kv_cache)
+    if out is not None:
+        rows = _size(out, "out", 0)
+        if num_out_rows is not None and _count(num_out_rows) != rows:
+            raise RuntimeError(f"mlakv: num_out_rows: expected out.shape[0] = {rows} (out is "
+                               f"given), got {num_out_rows}")
+    elif num_out_rows is None:
+        raise RuntimeError("mlakv: num_out_rows: expected the rows of the new output (out is "
+                           "absent), got None")
     if out is None and error_counts is None:
         return _ops.gather_cache_sequences(kv_cache, fmt, kv_cache_scale, kv_cache_rope,
                                            block_table, cu_seq_lens, _count(num_out_rows),
@@ -321,8 +331,9 @@ def mla_rmsnorm_quant(q_c: torch.Tensor, q_weight: torch.Tensor, kv_c: torch.Ten
     """The two norms of an MLA layer in one launch: ``q_c [>=T, Nq]`` -> RMSNorm -> e4m3 values +
     fp32 group scales (as ``rmsnorm_quant``, with its ``normed_out`` and ``residual`` as
     ``q_normed_out`` and ``q_residual``), and ``kv_c [>=T, Nkv]`` -> RMSNorm -> ``kv_c_out`` in
-    the model dtype (may be ``kv_c``: in place). Returns ``(q_out, q_scales, kv_c_out)``,
-    allocated when not given."""
+    the model dtype (may be ``kv_c``: in place). ``T = num_tokens`` for both parts; without it
+    each part takes its own rows (``q_c.shape[0]``, ``kv_c.shape[0]``), which may differ. Returns
+    ``(q_out, q_scales, kv_c_out)``, allocated when not given."""
     T = _token_count(num_tokens, q_c, "q_c")
     q_out, q_scales = _quant_outputs(q_c, "q_c", T, group_size, q_out, q_scales,
                                      column_major_scales)

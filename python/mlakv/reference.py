@@ -395,11 +395,12 @@ def gather_cache_slots(kv_cache, slots, *, kv_lora_rank, cache_format="auto",
     return out
 
 
-def gather_cache_sequences(kv_cache, block_table, cu_seq_lens, num_out_rows, *, kv_lora_rank,
+def gather_cache_sequences(kv_cache, block_table, cu_seq_lens, num_out_rows=None, *, kv_lora_rank,
                            cache_format="auto", kv_cache_scale=None, kv_cache_rope=None,
                            out_dtype=torch.float32, out=None, error_counts=None) -> torch.Tensor:
     """Reference of ``mlakv.gather_cache_sequences`` (with ``out``: ``num_out_rows`` is its row
-    count, only the rows a sequence covers are written, and ``out`` is returned)."""
+    count, only the rows a sequence covers are written, and ``out`` is returned; the wrapper's
+    argument checks are its own, not repeated here)."""
     nb, bs = kv_cache.shape[0], kv_cache.shape[1]
     if out is not None:
         num_out_rows, out_dtype = out.shape[0], out.dtype

@@ -14,7 +14,8 @@ def _round_table(table64: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     if dtype in (torch.float64, torch.float32):
         return table64.to(dtype)
     if dtype not in (torch.bfloat16, torch.float16):
-        raise ValueError(f"table dtype: expected float32, bfloat16 or float16, got {dtype}")
+        raise ValueError(f"table dtype: expected float32, bfloat16 or float16 (the ops' table "
+                         f"dtypes), or float64 (the exact table, for references), got {dtype}")
     f = table64.to(torch.float32)
     back = f.to(torch.float64)
     inexact = back != table64

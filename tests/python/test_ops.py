@@ -204,6 +204,76 @@ def test_mla_rope_cache_device_decode_count(device):
     assert mlakv.read_error_counts(counts)["bad_decode_count"] == 1
 
 
+def test_host_decode_count_beside_a_device_one_is_refused(device):
+    """With num_decode_tokens_device the host num_decode_tokens would be ignored: any value but 0
+    is refused by name, in range or not, and nothing is written."""
+    x = make_mla_inputs(TP8, "bf16", T=6, Td=4, device=device, seed=71)
+    before = x.clone()
+    td = torch.tensor([4], dtype=torch.int32, device=device)
+    for host_td in (4, -7, 10**6):
+        with pytest.raises(RuntimeError, match="num_decode_tokens: expected 0 with "
+                                               "num_decode_tokens_device"):
+            call_mla(mlakv.mla_rope_cache, x, "bf16", num_decode_tokens=host_td,
+                     num_decode_tokens_device=td)
+    for name in ("kv_cache", "q_out", "q", "k_pe_out", "kv_c_out"):
+        assert_bytes_equal(getattr(x, name), getattr(before, name))
+
+
+def test_a_dtype_no_op_takes_is_named_as_such(device):
+    """A float64 or int16 argument: the message says no op takes that dtype (not that this
+    argument would take any of the listed ones), and nothing is written."""
+    x = make_mla_inputs(TP8, "bf16", T=4, device=device, seed=73)
+    before = x.kv_cache.clone()
+    for name, bad in (("kv_c", x.kv_c.double()), ("positions", x.positions.to(torch.int16))):
+        args = dict(positions=x.positions, slot_mapping=x.slot_mapping,
+                    cos_sin_cache=x.cos_sin_cache, kv_c=x.kv_c, k_pe=x.k_pe, kv_cache=x.kv_cache)
+        args[name] = bad
+        with pytest.raises(RuntimeError, match=rf"{name}: expected a dtype of mlakv's ops \(.*; "
+                                               r"each argument takes some of them\), got"):
+            mlakv.mla_rope_cache(**args, cache_format="bf16")
+    assert_bytes_equal(x.kv_cache, before)
+
+
+def test_read_error_counts_can_raise(device):
+    """read_error_counts(..., throw_if_nonzero=True), the C++ API's checked mode: zero counters
+    read back as a dict; a skipped slot raises, naming the counter and its value."""
+    cfg = TP8
+    cache = mlakv.allocate_cache(1, 4, cfg.L, cfg.R, "bf16", device=device)
+    kv_c = torch.randn(2, cfg.L, device=device).bfloat16()
+    k_pe = torch.randn(2, cfg.R, device=device).bfloat16()
+    counts = mlakv.new_error_counts(device)
+    mlakv.concat_and_cache_mla(kv_c, k_pe, cache, torch.tensor([0, 1], device=device),
+                               cache_format="bf16", error_counts=counts)
+    assert mlakv.read_error_counts(counts, throw_if_nonzero=True)["bad_slot"] == 0
+    mlakv.concat_and_cache_mla(kv_c, k_pe, cache, torch.tensor([2, 999], device=device),
+                               cache_format="bf16", error_counts=counts)
+    assert mlakv.read_error_counts(counts)["bad_slot"] == 1
+    with pytest.raises(RuntimeError, match=r"non-zero counters: bad_slot = 1$"):
+        mlakv.read_error_counts(counts, throw_if_nonzero=True)
+
+
+def test_gather_cache_sequences_out_rows(device):
+    """With out given, num_out_rows may be left out or must equal out.shape[0]; without out it is
+    required. A refused call writes nothing."""
+    cfg = TP8
+    x = make_mla_inputs(cfg, "bf16", T=6, device=device, seed=72)
+    fill = torch.full((8, cfg.L + cfg.R), 5.0, device=device)
+    table = torch.tensor([[1, 0], [3, 2]], dtype=torch.int32, device=device)
+    cu = torch.tensor([0, 5, 8], dtype=torch.int32, device=device)
+    kw = dict(kv_lora_rank=cfg.L, cache_format="bf16")
+    want = mlakv.gather_cache_sequences(x.kv_cache, table, cu, 8, **kw)
+    for rows in (None, 8):
+        out = fill.clone()
+        assert mlakv.gather_cache_sequences(x.kv_cache, table, cu, rows, out=out, **kw) is out
+        assert_bytes_equal(out, want)
+    out = fill.clone()
+    with pytest.raises(RuntimeError, match=r"num_out_rows: expected out.shape\[0\] = 8"):
+        mlakv.gather_cache_sequences(x.kv_cache, table, cu, 2, out=out, **kw)
+    assert_bytes_equal(out, fill)
+    with pytest.raises(RuntimeError, match="num_out_rows"):
+        mlakv.gather_cache_sequences(x.kv_cache, table, cu, **kw)
+
+
 @pytest.mark.parametrize("cfg,fmt", config_format_params())
 def test_fused_equals_unfused(cfg, fmt, device):
     """DESIGN: the fused op and the unfused primitives write identical bytes."""
@@ -963,7 +1033,7 @@ def test_gather_reference_with_out_and_a_negative_start(device):
         cu = torch.tensor(cu, dtype=torch.int32, device=device)
         for op in (mlakv, ref):
             out = torch.full((7, cfg.L + cfg.R), 7.0, dtype=torch.bfloat16, device=device)
-            assert op.gather_cache_sequences(cache, table, cu, 0, out=out, **kw) is out
+            assert op.gather_cache_sequences(cache, table, cu, out=out, **kw) is out
             fresh = op.gather_cache_sequences(cache, table, cu, 4, **kw)
             if op is mlakv:
                 got, got_fresh = out, fresh

@@ -43,6 +43,7 @@ def test_opcheck_mla_rope_cache(fmt, device):
     # The decode-only form with a device Td and the error counters.
     x = make_mla_inputs(TP8, fmt, T=4, Td=4, device=device)
     args = list(_mla_args(x, fmt, prefill=False))
+    args[20] = 0  # the host Td stays 0 beside a device one
     args[21] = torch.tensor([3], dtype=torch.int32, device=device)
     args[22] = mlakv.new_error_counts(device)
     _opcheck(OPS.mla_rope_cache.default, tuple(args))
@@ -535,7 +536,7 @@ def test_cuda_graph_capture_and_replay():
     T = 8
     x = make_mla_inputs(cfg, "fp8_e4m3", T=T, Td=T, device="cuda", seed=20)
     td = torch.tensor([3], dtype=torch.int32, device="cuda")
-    kw = mla_kwargs(x, "fp8_e4m3", num_decode_tokens_device=td)
+    kw = mla_kwargs(x, "fp8_e4m3", num_decode_tokens=0, num_decode_tokens_device=td)
     run = lambda: mlakv.mla_rope_cache(x.positions, x.slot_mapping, x.cos_sin_cache, x.kv_c,
                                        x.k_pe, x.kv_cache, **kw)
     stream = torch.cuda.Stream()
@@ -939,3 +940,19 @@ def test_bench_device_argument():
     result = bench.main(["--device", "cpu", "--tokens", "1", "--inner", "1", "--repeats", "1",
                          "--peak-bytes", "65536", "--plot", "", "--no-compile"])
     assert result["device"].startswith("cpu") and [r["T"] for r in result["rows"]] == [1]
+
+
+def test_bench_refuses_bad_options(capsys):
+    """The Python bench refuses, by the option's name and before it runs anything, what would
+    otherwise fail half way with a traceback."""
+    from mlakv import bench
+    cases = [(["--cache-format", "fp8_ds_mla", "--config", "minicpm3"], "--config minicpm3"),
+             (["--cache-format", "fp8_ds_mla", "--dtype", "float16"], "--dtype bfloat16"),
+             (["--cache-format", "bogus"], "--cache-format: invalid choice"),
+             (["--tokens", "1,x"], "--tokens"), (["--tokens", "0"], "--tokens"),
+             (["--inner", "0"], "--inner"), (["--repeats", "-1"], "--repeats")]
+    for argv, message in cases:
+        with pytest.raises(SystemExit) as exit_info:
+            bench.main(argv + ["--device", "cpu", "--plot", ""])
+        assert exit_info.value.code == 2
+        assert message in capsys.readouterr().err, argv
