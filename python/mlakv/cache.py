@@ -216,8 +216,10 @@ def new_error_counts(device="cpu") -> torch.Tensor:
 def read_error_counts(error_counts: torch.Tensor,
                       throw_if_nonzero: bool = False) -> Dict[str, int]:
     """The counters as a dict (copies to the host: synchronizes a CUDA stream). With
-    ``throw_if_nonzero`` (the checked mode of the C++ API, for debugging an engine), a non-zero
-    counter raises ``RuntimeError`` naming each one."""
+    ``throw_if_nonzero`` (for debugging an engine), a non-zero counter raises ``RuntimeError``
+    naming each one. The counts add up over every op that was given the tensor: zero it
+    (``error_counts.zero_()``) to check one step. (The C++ API's ``Context::checked`` instead
+    throws from the op that counted.)"""
     values = error_counts.cpu().tolist()
     counts = {name: int(v) for name, v in zip(ERROR_COUNTER_NAMES, values)}
     nonzero = ", ".join(f"{name} = {v}" for name, v in counts.items() if v != 0)

@@ -42,10 +42,14 @@ def _count(n):
 
 
 def _row_count(n, name):
-    """``_count(n)`` of a count the wrapper allocates rows by: a negative one is refused by name
-    (the op would name it too, but only after torch refused the allocation)."""
+    """``_count(n)`` of a count the wrapper allocates rows by: a negative one is refused
+    by name (the op would name it too, but only after torch refused the allocation). Under
+    torch.compile the check is a runtime assert: a Python comparison would guard on the count,
+    which fails for a data-dependent one (``.item()``)."""
     n = _count(n)
-    if not isinstance(n, torch.SymInt) and n < 0:
+    if torch.compiler.is_compiling():  # (dynamo takes only a constant message)
+        torch._check(n >= 0, lambda: "mlakv: num_out_rows / num_tokens: expected >= 0")
+    elif n < 0:
         raise RuntimeError(f"mlakv: {name}: expected >= 0, got {n}")
     return n
 
@@ -245,15 +249,18 @@ def gather_cache_sequences(kv_cache: torch.Tensor, block_table: torch.Tensor,
     Rows at or past ``num_out_rows`` are not written; rows no sequence covers are zeros; block ids
     outside ``[0, num_blocks)``, and tokens past their ``block_table`` row, give zeros and are
     counted. ``num_out_rows`` comes from the host (usually ``cu_seq_lens[-1]``), so the op never
-    reads device memory on the host. With ``out`` given, ``num_out_rows`` is ``out.shape[0]``
-    (it may be left out; another value is refused), and only the covered rows are written."""
+    reads device memory on the host. With ``out`` given, ``num_out_rows`` is ``out.shape[0]``:
+    leave it None (or pass that value; another is refused, as an argument the op would ignore,
+    in eager mode: under torch.compile it is not looked at, since a comparison would guard on a
+    count that may be data-dependent). Only the covered rows of ``out`` are written (a workspace
+    larger than ``cu_seq_lens[-1]`` keeps its rows past that)."""
     fmt = _gather_format(cache_format, kv_cache)
-    if out is not None:
-        rows = _size(out, "out", 0)
-        if num_out_rows is not None and _count(num_out_rows) != rows:
+    if out is not None and num_out_rows is not None and not torch.compiler.is_compiling():
+        n, rows = _count(num_out_rows), _size(out, "out", 0)
+        if n != rows:
             raise RuntimeError(f"mlakv: num_out_rows: expected out.shape[0] = {rows} (out is "
-                               f"given), got {num_out_rows}")
-    elif num_out_rows is None:
+                               f"given; or None), got {n}")
+    elif out is None and num_out_rows is None:
         raise RuntimeError("mlakv: num_out_rows: expected the rows of the new output (out is "
                            "absent), got None")
     if out is None and error_counts is None:

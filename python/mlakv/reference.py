@@ -259,7 +259,8 @@ def mla_rope_cache(positions, slot_mapping, cos_sin_cache, kv_c, k_pe, kv_cache,
                    q_pe=None, ql_nope=None, q_out=None, q_scale=None, q=None, q_prefill_out=None,
                    num_decode_tokens=0, num_decode_tokens_device=None, error_counts=None,
                    ds_mla_pow2_scale=False) -> None:
-    """Reference of ``mlakv.mla_rope_cache`` (same arguments; error counters are not kept)."""
+    """Reference of ``mlakv.mla_rope_cache`` (same arguments; error counters are not kept, and
+    argument errors are the library's to report: beside a device Td the host one is not read)."""
     T = slot_mapping.shape[0]
     model = kv_c.dtype
     if num_decode_tokens_device is not None:

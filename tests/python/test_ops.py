@@ -253,22 +253,26 @@ def test_read_error_counts_can_raise(device):
 
 
 def test_gather_cache_sequences_out_rows(device):
-    """With out given, num_out_rows may be left out or must equal out.shape[0]; without out it is
-    required. A refused call writes nothing."""
+    """With out given, num_out_rows is out.shape[0]: None or that value give the rows of a new
+    output, and a workspace larger than cu_seq_lens[-1] keeps its rows past it; another value is
+    refused (the op would ignore it), and nothing is written then. Without out, num_out_rows is
+    required."""
     cfg = TP8
     x = make_mla_inputs(cfg, "bf16", T=6, device=device, seed=72)
-    fill = torch.full((8, cfg.L + cfg.R), 5.0, device=device)
+    fill = torch.full((10, cfg.L + cfg.R), 5.0, device=device)
     table = torch.tensor([[1, 0], [3, 2]], dtype=torch.int32, device=device)
     cu = torch.tensor([0, 5, 8], dtype=torch.int32, device=device)
     kw = dict(kv_lora_rank=cfg.L, cache_format="bf16")
     want = mlakv.gather_cache_sequences(x.kv_cache, table, cu, 8, **kw)
-    for rows in (None, 8):
+    for rows in (None, 10):
         out = fill.clone()
         assert mlakv.gather_cache_sequences(x.kv_cache, table, cu, rows, out=out, **kw) is out
-        assert_bytes_equal(out, want)
+        assert_bytes_equal(out[:8], want)
+        assert_bytes_equal(out[8:], fill[8:])
     out = fill.clone()
-    with pytest.raises(RuntimeError, match=r"num_out_rows: expected out.shape\[0\] = 8"):
-        mlakv.gather_cache_sequences(x.kv_cache, table, cu, 2, out=out, **kw)
+    with pytest.raises(RuntimeError, match=r"num_out_rows: expected out.shape\[0\] = 10 \(out "
+                                           r"is given; or None\), got 8"):
+        mlakv.gather_cache_sequences(x.kv_cache, table, cu, 8, out=out, **kw)
     assert_bytes_equal(out, fill)
     with pytest.raises(RuntimeError, match="num_out_rows"):
         mlakv.gather_cache_sequences(x.kv_cache, table, cu, **kw)

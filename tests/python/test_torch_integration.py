@@ -956,3 +956,29 @@ def test_bench_refuses_bad_options(capsys):
             bench.main(argv + ["--device", "cpu", "--plot", ""])
         assert exit_info.value.code == 2
         assert message in capsys.readouterr().err, argv
+
+
+@pytest.mark.parametrize("backend", COMPILE_BACKENDS)
+def test_torch_compile_gather_sequences_rows_from_item(backend, device):
+    """An engine's row count read with .item() (a data-dependent SymInt) beside out=: the wrapper
+    must not guard on it (its eager check of num_out_rows against out is skipped when compiling),
+    so the step compiles into one graph and gives the eager bytes."""
+    cfg = TP8
+    x = make_mla_inputs(cfg, "bf16", T=6, device=device, seed=74)
+    table = torch.tensor([[1, 0], [3, 2]], dtype=torch.int32, device=device)
+
+    def step(kv_cache, block_table, cu, out):
+        return mlakv.gather_cache_sequences(kv_cache, block_table, cu, cu[-1].item(), out=out,
+                                            kv_lora_rank=cfg.L, cache_format="bf16")
+
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(capture_scalar_outputs=True):
+        compiled = torch.compile(step, fullgraph=True, backend=backend)
+        for last in (8, 6):
+            cu = torch.tensor([0, 5, last], dtype=torch.int32, device=device)
+            got = torch.full((last, cfg.L + cfg.R), 5.0, device=device)
+            want = got.clone()
+            compiled(x.kv_cache, table, cu, got)
+            step(x.kv_cache, table, cu, want)
+            assert_bytes_equal(got, want)
+            assert not bool(got.eq(5).all()), "nothing gathered"
