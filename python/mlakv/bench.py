@@ -231,12 +231,11 @@ def run(args):
     cfg = CONFIGS[args.config]
     fmt = canonical_format(args.cache_format)
     dtype = getattr(torch, args.dtype)
-    tokens = [int(t) for t in args.tokens.split(",")]
     peak = copy_bandwidth(device, args.peak_bytes)
     rows = []
     compiled_ok = fmt != "fp8_ds_mla" and not args.no_compile
     table = mlakv.yarn_cos_sin_cache(cfg["R"], max_position=4096, device=device)
-    for T in tokens:
+    for T in args.tokens:
         first = Step(T, cfg["H"], cfg["L"], cfg["R"], fmt, dtype, device, not args.no_norm,
                      table=table)
         n = num_sets(first.bytes, device)
@@ -323,27 +322,34 @@ def plot(result, path):
     print(f"plot written to {path}")
 
 
-def _check_options(parser, args):
-    """Refuses, with the option's name, what the run would otherwise fail on half way."""
-    if args.cache_format == "fp8_ds_mla":
-        shape = CONFIGS[args.config]
-        if (shape["L"], shape["R"]) != (DS_MLA_LATENT_DIM, DS_MLA_ROPE_DIM):
-            parser.error(f"--cache-format fp8_ds_mla: expected a config with L = "
-                         f"{DS_MLA_LATENT_DIM}, R = {DS_MLA_ROPE_DIM}, got --config {args.config} "
-                         f"(L = {shape['L']}, R = {shape['R']})")
-        if args.dtype != "bfloat16":
-            parser.error(f"--cache-format fp8_ds_mla: expected --dtype bfloat16, got {args.dtype}")
-    if args.tokens is not None:
-        try:
-            tokens = [int(t) for t in args.tokens.split(",")]
-        except ValueError:
-            tokens = []
-        if not tokens or min(tokens) < 1:
-            parser.error(f"--tokens: expected comma-separated counts >= 1, got {args.tokens!r}")
-    for name in ("inner", "repeats", "peak_bytes"):
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            parser.error(f"--{name.replace('_', '-')}: expected >= 1, got {value}")
+def _positive_int(text):
+    """argparse type of the counts: an int >= 1 (argparse names the option when this raises)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return value
+
+
+def _token_counts(text):
+    """argparse type of --tokens: comma-separated counts >= 1, as a list."""
+    return [_positive_int(t) for t in text.split(",")]
+
+
+def _check_cache_format(parser, args):
+    """fp8_ds_mla's own rules (L = 512, R = 64, a bfloat16 model), refused by option name before
+    anything runs, not half way through with a traceback."""
+    if args.cache_format != "fp8_ds_mla":
+        return
+    shape = CONFIGS[args.config]
+    if (shape["L"], shape["R"]) != (DS_MLA_LATENT_DIM, DS_MLA_ROPE_DIM):
+        parser.error(f"--cache-format fp8_ds_mla: expected a config with L = "
+                     f"{DS_MLA_LATENT_DIM}, R = {DS_MLA_ROPE_DIM}, got --config {args.config} "
+                     f"(L = {shape['L']}, R = {shape['R']})")
+    if args.dtype != "bfloat16":
+        parser.error(f"--cache-format fp8_ds_mla: expected --dtype bfloat16, got {args.dtype}")
 
 
 def main(argv=None):
@@ -353,16 +359,17 @@ def main(argv=None):
     p.add_argument("--config", default="deepseek_v3_tp8", choices=sorted(CONFIGS))
     p.add_argument("--cache-format", default="bf16", choices=[*CACHE_FORMATS, "fp8"])
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    p.add_argument("--tokens", default=None, help="comma-separated T values")
+    p.add_argument("--tokens", type=_token_counts, default=None, help="comma-separated T values")
     p.add_argument("--no-norm", action="store_true", help="leave kv_a_layernorm out")
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
-    p.add_argument("--inner", type=int, default=None, help="calls per timing")
-    p.add_argument("--repeats", type=int, default=None, help="timings per case")
-    p.add_argument("--peak-bytes", type=int, default=None, help="bytes of the peak-copy probe")
+    p.add_argument("--inner", type=_positive_int, default=None, help="calls per timing")
+    p.add_argument("--repeats", type=_positive_int, default=None, help="timings per case")
+    p.add_argument("--peak-bytes", type=_positive_int, default=None,
+                   help="bytes of the peak-copy probe")
     p.add_argument("--plot", default="mlakv_bench.png", help="PNG path ('' for none)")
     p.add_argument("--json", default="", help="write the results as JSON here")
     args = p.parse_args(argv)
-    _check_options(p, args)
+    _check_cache_format(p, args)
     try:
         device = torch.device(args.device)
     except RuntimeError as e:
@@ -374,7 +381,7 @@ def main(argv=None):
     args.device = device.type
     gpu = args.device == "cuda"
     if args.tokens is None:
-        args.tokens = "1,4,16,64,256,1024,4096,16384" if gpu else "1,4,16,64,256"
+        args.tokens = [1, 4, 16, 64, 256, 1024, 4096, 16384] if gpu else [1, 4, 16, 64, 256]
     args.inner = args.inner or (20 if gpu else 5)
     args.repeats = args.repeats or (15 if gpu else 5)
     args.peak_bytes = args.peak_bytes or ((1 << 30) if gpu else (64 << 20))

@@ -6,9 +6,9 @@ The *model dtype* is the dtype of ``kv_c`` (float32, float16 or bfloat16); every
 argument has it. The innermost dimension of every tensor must be contiguous; other strides must be
 positive on dims of size > 1 (any on size-1 dims), so views into larger tensors are fine (not an
 ``expand()``ed one: stride 0); the rmsnorm_quant ops also need 16-byte row strides and data
-pointers aligned to 16 bytes. Per-token
-tensors may have more rows than T (CUDA-graph padding): the ops that write the cache take T from
-``slot_mapping.shape[0]`` and never touch the extra rows.
+pointers aligned to 16 bytes. Per-token tensors may have more rows than T (CUDA-graph padding):
+the ops that write the cache take T from ``slot_mapping.shape[0]`` and never touch the extra
+rows.
 
 Caches are ``[num_blocks, block_size, entry]`` tensors (see ``mlakv.cache``); ``cache_format``
 names the format ("bf16", "fp16", "fp32", "fp8_e4m3" or "fp8", "fp8_e5m2", "fp8_ds_mla"), or
@@ -42,10 +42,10 @@ def _count(n):
 
 
 def _row_count(n, name):
-    """``_count(n)`` of a count the wrapper allocates rows by: a negative one is refused
-    by name (the op would name it too, but only after torch refused the allocation). Under
-    torch.compile the check is a runtime assert: a Python comparison would guard on the count,
-    which fails for a data-dependent one (``.item()``)."""
+    """``_count(n)`` of a count the wrapper allocates rows by: a negative one is refused by name
+    (the op would name it too, but only after torch refused the allocation). Under torch.compile
+    the check is a runtime assert: a Python comparison would guard on the count, which fails for
+    a data-dependent one (``.item()``)."""
     n = _count(n)
     if torch.compiler.is_compiling():  # (dynamo takes only a constant message)
         torch._check(n >= 0, lambda: "mlakv: num_out_rows / num_tokens: expected >= 0")
@@ -250,10 +250,10 @@ def gather_cache_sequences(kv_cache: torch.Tensor, block_table: torch.Tensor,
     outside ``[0, num_blocks)``, and tokens past their ``block_table`` row, give zeros and are
     counted. ``num_out_rows`` comes from the host (usually ``cu_seq_lens[-1]``), so the op never
     reads device memory on the host. With ``out`` given, ``num_out_rows`` is ``out.shape[0]``:
-    leave it None (or pass that value; another is refused, as an argument the op would ignore,
-    in eager mode: under torch.compile it is not looked at, since a comparison would guard on a
-    count that may be data-dependent). Only the covered rows of ``out`` are written (a workspace
-    larger than ``cu_seq_lens[-1]`` keeps its rows past that)."""
+    leave it None or pass that value (another is refused in eager mode; under torch.compile it is
+    not compared, as that would guard on a count that may be data-dependent). Only the covered
+    rows of ``out`` are written: a workspace larger than ``cu_seq_lens[-1]`` keeps its rows past
+    that."""
     fmt = _gather_format(cache_format, kv_cache)
     if out is not None and num_out_rows is not None and not torch.compiler.is_compiling():
         n, rows = _count(num_out_rows), _size(out, "out", 0)
