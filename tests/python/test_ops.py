@@ -235,8 +235,8 @@ def test_a_dtype_no_op_takes_is_named_as_such(device):
 
 
 def test_read_error_counts_can_raise(device):
-    """read_error_counts(..., throw_if_nonzero=True), the C++ API's checked mode: zero counters
-    read back as a dict; a skipped slot raises, naming the counter and its value."""
+    """read_error_counts(..., throw_if_nonzero=True), for debugging an engine: zero counters read
+    back as a dict; after a skipped slot it raises, naming the counter and its value."""
     cfg = TP8
     cache = mlakv.allocate_cache(1, 4, cfg.L, cfg.R, "bf16", device=device)
     kv_c = torch.randn(2, cfg.L, device=device).bfloat16()
@@ -253,8 +253,8 @@ def test_read_error_counts_can_raise(device):
 
 
 def test_gather_cache_sequences_out_rows(device):
-    """With out given, num_out_rows is out.shape[0]: None or that value give the rows of a new
-    output, and a workspace larger than cu_seq_lens[-1] keeps its rows past it; another value is
+    """With out given, num_out_rows is out.shape[0]: with None or that value, out gets the covered
+    rows and a workspace larger than cu_seq_lens[-1] keeps its rows past it; another value is
     refused (the op would ignore it), and nothing is written then. Without out, num_out_rows is
     required."""
     cfg = TP8
