@@ -206,7 +206,24 @@ stage_sanitize() {
       rc=0
       for pid in "${pids[@]}"; do wait "$pid" || rc=1; done
       exit $rc' _ "$SANITIZE_SHARDS" "$BUILD_DIR/mlakv_tests" "$LOGS" "$SANITIZE_FILTER" || rc=1
+  local i done_shards reported shard_logs
   for tool in memcheck racecheck; do
+    # Stopped by the time limit, gtest_shards leaves its shards' own logs behind (it joins them
+    # only once all have ended): join them here, so that the count below holds the shards that
+    # finished and the errors any shard reported before it was stopped.
+    shard_logs=()
+    for ((i = 0; i < SANITIZE_SHARDS; i++)); do
+      [[ -e $LOGS/$tool.$i.log ]] && shard_logs+=("$LOGS/$tool.$i.log")
+    done
+    if ((${#shard_logs[@]} > 0)); then
+      done_shards=$(grep -lE 'ERROR SUMMARY|RACECHECK SUMMARY' "${shard_logs[@]}" | wc -l)
+      reported=$(grep -hcE '^========= (Invalid|Error|Warning|Program hit)' "${shard_logs[@]}" |
+        awk '{n += $1} END {print n + 0}')
+      cat "${shard_logs[@]}" >>"$LOGS/$tool.log"
+      rm -f "${shard_logs[@]}"
+      note "  $tool: stopped before the end: $done_shards of $SANITIZE_SHARDS shards finished;" \
+        "$reported errors or hazards reported by then (the finished shards' tests are counted below)"
+    fi
     note "  $tool: $(gtest_sum "$LOGS/$tool.log") ($SANITIZE_SHARDS shards);" \
       "$(grep -hE 'ERROR SUMMARY|RACECHECK SUMMARY' "$LOGS/$tool.log" | sort | uniq -c | tr -s ' ' |
         paste -sd ';' -)"
