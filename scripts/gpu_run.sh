@@ -217,8 +217,7 @@ stage_sanitize() {
     done
     if ((${#shard_logs[@]} > 0)); then
       done_shards=$(grep -lE 'ERROR SUMMARY|RACECHECK SUMMARY' "${shard_logs[@]}" | wc -l)
-      reported=$(grep -hcE '^========= (Invalid|Error|Warning|Program hit)' "${shard_logs[@]}" |
-        awk '{n += $1} END {print n + 0}')
+      reported=$(cat "${shard_logs[@]}" | grep -cE '^========= (Invalid|Error|Warning|Program hit)')
       cat "${shard_logs[@]}" >>"$LOGS/$tool.log"
       rm -f "${shard_logs[@]}"
       note "  $tool: stopped before the end: $done_shards of $SANITIZE_SHARDS shards finished;" \
