@@ -250,14 +250,19 @@ def gather_cache_sequences(kv_cache: torch.Tensor, block_table: torch.Tensor,
     outside ``[0, num_blocks)``, and tokens past their ``block_table`` row, give zeros and are
     counted. ``num_out_rows`` comes from the host (usually ``cu_seq_lens[-1]``), so the op never
     reads device memory on the host. With ``out`` given, ``num_out_rows`` is ``out.shape[0]``:
-    leave it None or pass that value (another is refused in eager mode; under torch.compile it is
-    not compared, as that would guard on a count that may be data-dependent). Only the covered
+    leave it None or pass that value (another is refused; under torch.compile by a runtime assert,
+    as a Python comparison would guard on a count that may be data-dependent). Only the covered
     rows of ``out`` are written: a workspace larger than ``cu_seq_lens[-1]`` keeps its rows past
     that."""
     fmt = _gather_format(cache_format, kv_cache)
-    if out is not None and num_out_rows is not None and not torch.compiler.is_compiling():
+    if out is not None and num_out_rows is not None:
         n, rows = _count(num_out_rows), _size(out, "out", 0)
-        if n != rows:
+        if torch.compiler.is_compiling():  # (dynamo takes only a constant message)
+            # (two bounds: torch drops a runtime assert of equality between a data-dependent count
+            # and a dynamic size once it has replaced the one by the other)
+            torch._check(n <= rows, lambda: "mlakv: num_out_rows: expected out.shape[0]")
+            torch._check(n >= rows, lambda: "mlakv: num_out_rows: expected out.shape[0]")
+        elif n != rows:
             raise RuntimeError(f"mlakv: num_out_rows: expected out.shape[0] = {rows} (out is "
                                f"given; or None), got {n}")
     elif out is None and num_out_rows is None:

@@ -982,3 +982,40 @@ def test_torch_compile_gather_sequences_rows_from_item(backend, device):
             step(x.kv_cache, table, cu, want)
             assert_bytes_equal(got, want)
             assert not bool(got.eq(5).all()), "nothing gathered"
+
+
+@pytest.mark.parametrize("backend", COMPILE_BACKENDS)
+def test_torch_compile_gather_sequences_rows_other_than_out_refused(backend, device):
+    """Under torch.compile a num_out_rows other than out.shape[0] is refused by a runtime assert
+    (eager mode refuses it by name), both for a data-dependent count (.item()) and for a count
+    that changes between calls; out keeps its bytes."""
+    cfg = TP8
+    x = make_mla_inputs(cfg, "bf16", T=6, device=device, seed=75)
+    table = torch.tensor([[1, 0], [3, 2]], dtype=torch.int32, device=device)
+
+    def from_item(kv_cache, block_table, cu, out):
+        return mlakv.gather_cache_sequences(kv_cache, block_table, cu, cu[-1].item(), out=out,
+                                            kv_lora_rank=cfg.L, cache_format="bf16")
+
+    def from_host(kv_cache, block_table, cu, rows, out):
+        return mlakv.gather_cache_sequences(kv_cache, block_table, cu, rows, out=out,
+                                            kv_lora_rank=cfg.L, cache_format="bf16")
+
+    cu = torch.tensor([0, 5, 8], dtype=torch.int32, device=device)
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(capture_scalar_outputs=True):
+        compiled = torch.compile(from_item, fullgraph=True, backend=backend)
+        compiled(x.kv_cache, table, cu, torch.zeros(8, cfg.L + cfg.R, device=device))
+        out = torch.full((9, cfg.L + cfg.R), 5.0, device=device)
+        with pytest.raises(RuntimeError):
+            compiled(x.kv_cache, table, cu, out)
+        assert bool(out.eq(5).all()), "written although refused"
+
+    torch._dynamo.reset()
+    compiled = torch.compile(from_host, fullgraph=True, backend=backend)
+    compiled(x.kv_cache, table, cu, 8, torch.zeros(8, cfg.L + cfg.R, device=device))
+    for rows, out_rows in ((8, 9), (7, 8), (9, 8)):
+        out = torch.full((out_rows, cfg.L + cfg.R), 5.0, device=device)
+        with pytest.raises(Exception, match="num_out_rows|Runtime assertion|Eq|!=|=="):
+            compiled(x.kv_cache, table, cu, rows, out)
+        assert bool(out.eq(5).all()), "written although refused"
