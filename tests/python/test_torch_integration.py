@@ -958,19 +958,26 @@ def test_bench_refuses_bad_options(capsys):
         assert message in capsys.readouterr().err, argv
 
 
-@pytest.mark.parametrize("backend", COMPILE_BACKENDS)
-def test_torch_compile_gather_sequences_rows_from_item(backend, device):
-    """An engine's row count read with .item() (a data-dependent SymInt) beside out=: the wrapper
-    must not guard on it (its eager check of num_out_rows against out is skipped when compiling),
-    so the step compiles into one graph and gives the eager bytes."""
-    cfg = TP8
-    x = make_mla_inputs(cfg, "bf16", T=6, device=device, seed=74)
+def _gather_rows_from_item_case(device, seed):
+    """The inputs of the .item() gather tests: a cache of random entries, a block table of two
+    sequences, and a step that gathers ``cu[-1].item()`` rows into ``out``."""
+    x = make_mla_inputs(TP8, "bf16", T=6, device=device, seed=seed)
     table = torch.tensor([[1, 0], [3, 2]], dtype=torch.int32, device=device)
 
     def step(kv_cache, block_table, cu, out):
         return mlakv.gather_cache_sequences(kv_cache, block_table, cu, cu[-1].item(), out=out,
-                                            kv_lora_rank=cfg.L, cache_format="bf16")
+                                            kv_lora_rank=TP8.L, cache_format="bf16")
 
+    return x, table, step
+
+
+@pytest.mark.parametrize("backend", COMPILE_BACKENDS)
+def test_torch_compile_gather_sequences_rows_from_item(backend, device):
+    """An engine's row count read with .item() (a data-dependent SymInt) beside out=: the wrapper
+    must not guard on it (under compile its check of num_out_rows against out is a runtime
+    assert), so the step compiles into one graph and gives the eager bytes."""
+    cfg = TP8
+    x, table, step = _gather_rows_from_item_case(device, 74)
     torch._dynamo.reset()
     with torch._dynamo.config.patch(capture_scalar_outputs=True):
         compiled = torch.compile(step, fullgraph=True, backend=backend)
@@ -990,12 +997,7 @@ def test_torch_compile_gather_sequences_rows_other_than_out_refused(backend, dev
     (eager mode refuses it by name), both for a data-dependent count (.item()) and for a count
     that changes between calls; out keeps its bytes."""
     cfg = TP8
-    x = make_mla_inputs(cfg, "bf16", T=6, device=device, seed=75)
-    table = torch.tensor([[1, 0], [3, 2]], dtype=torch.int32, device=device)
-
-    def from_item(kv_cache, block_table, cu, out):
-        return mlakv.gather_cache_sequences(kv_cache, block_table, cu, cu[-1].item(), out=out,
-                                            kv_lora_rank=cfg.L, cache_format="bf16")
+    x, table, from_item = _gather_rows_from_item_case(device, 75)
 
     def from_host(kv_cache, block_table, cu, rows, out):
         return mlakv.gather_cache_sequences(kv_cache, block_table, cu, rows, out=out,
