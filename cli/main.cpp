@@ -78,8 +78,8 @@ int run(int argc, char** argv) {
   bench
       ->add_option("--workload", bench_options.workloads,
                    "Workloads (comma separated): decode_bf16, decode_bf16_norm, decode_fp8, "
-                   "decode_nope_in_q_out, prefill_bf16, mixed_bf16, rmsnorm_quant_qc, "
-                   "mla_rmsnorm_quant; default all")
+                   "decode_fp8_cache, decode_ds_mla, decode_nope_in_q_out, prefill_bf16, "
+                   "mixed_bf16, rmsnorm_quant_qc, mla_rmsnorm_quant; default all")
       ->delimiter(',');
   // T up to 2^24: the byte counts of the largest row (T * H * (L + R) * ...) stay far from int64.
   bench->add_option("--tokens", bench_options.tokens, "Token counts T (comma separated)")
