@@ -86,8 +86,8 @@ class CudaKernelChoice : public testing::Test {
 };
 
 // The template arguments of mla_rope_cache_kernel<...> as the demangled name spells them, split at
-// ", " (T, kFormat, QOut, kVec, kKTokens, kKTableFirst, kRopeInCopy), or empty if `name` is not
-// that kernel.
+// ", " (T, kFormat, QOut, kVec, kKTokens, kKTableFirst, kRopeInCopy, kKNarrow), or empty if
+// `name` is not that kernel.
 std::vector<std::string> fused_arguments(const std::string& name) {
   const std::string kernel = "mla_rope_cache_kernel<";
   const size_t begin = name.find(kernel);
@@ -103,11 +103,11 @@ std::vector<std::string> fused_arguments(const std::string& name) {
   return args;
 }
 
-// The last two template arguments of the fused kernel (kKTableFirst, kRopeInCopy), as the
-// demangled name spells them ("true, false"), or "" if `name` is not that kernel.
+// Two template arguments of the fused kernel (kKTableFirst, kRopeInCopy), as the demangled name
+// spells them ("true, false"), or "" if `name` is not that kernel.
 std::string fused_flags(const std::string& name) {
   const std::vector<std::string> args = fused_arguments(name);
-  return args.size() == 7 ? args[5] + ", " + args[6] : "";
+  return args.size() == 8 ? args[5] + ", " + args[6] : "";
 }
 
 // kDeepSeekV3H2 (the K items are what the order changes), a bf16 model and cache.
@@ -259,7 +259,7 @@ TEST_F(CudaFusedKernelChoice, DecodeQConcatPartsInPlace) {
 void fused_kernel_arguments(const std::vector<std::string>& names, std::vector<std::string>* args) {
   ASSERT_EQ(names.size(), 1u) << "expected one kernel, the fused one";
   *args = fused_arguments(names[0]);
-  ASSERT_EQ(args->size(), 7u) << names[0];
+  ASSERT_EQ(args->size(), 8u) << names[0];
 }
 
 // `names` is the fused kernel alone, in its 16-byte instance (kVec) or not.
@@ -271,12 +271,13 @@ void expect_fused_instance(const std::vector<std::string>& names, const char* ve
 
 // K items of two tokens (cuda/mla_rope_cache.h kKTwoTokensMinTokens): from that many tokens on, in
 // the table-first instance of a 16-bit model (q_out of the model dtype or none), where L <= 512
-// and R <= 128; one token below the threshold, for wider shapes, an fp32 model and an e4m3 q_out.
+// and R <= 128; one token below the threshold, for an fp32 model and an e4m3 q_out, and one token
+// in the rows-first order for wider shapes (the table-first order is compiled for narrow ones).
 TEST_F(CudaFusedKernelChoice, KItemsOfTwoTokensFromTheThreshold) {
   constexpr int64_t kMin = cuda::kKTwoTokensMinTokens;
   static_assert(kMin >= cuda::kKTableFirstMinTokens);
   static_assert(kMin == 1792, "the TwoTokenK specs (test_fused.cpp) take T = 1792-1795");
-  static_assert(cuda::kKTwoTokensMaxLatent == 512 && cuda::kKTwoTokensMaxRope == 128,
+  static_assert(cuda::kKNarrowMaxLatent == 512 && cuda::kKNarrowMaxRope == 128,
                 "the widths below are the limits");
   struct Case {
     FusedSpec spec;
@@ -294,10 +295,10 @@ TEST_F(CudaFusedKernelChoice, KItemsOfTwoTokensFromTheThreshold) {
   cases.push_back({s, "2", "true"});
   s.name = "l512_r136_at";
   s.shape = ModelShape{"l512r136", 2, 512, 136, 128};
-  cases.push_back({s, "1", "true"});
+  cases.push_back({s, "1", "false"});
   s.name = "l1024_at";
   s.shape = ModelShape{"l1024", 2, 1024, 64, 128};
-  cases.push_back({s, "1", "true"});
+  cases.push_back({s, "1", "false"});
   s = spec_of("fp16_at", Entry::kMixed, kMin, 100);
   s.model = DType::kFloat16;
   cases.push_back({s, "2", "true"});
@@ -335,6 +336,54 @@ TEST_F(CudaFusedKernelChoice, KItemsOfTwoTokensFromTheThreshold) {
   concat.kv_cache = cache.device_view();
   expect_args(kernels_of([&](const Context& ctx) { concat_and_cache_mla(concat, ctx); }), "1",
               "false");
+}
+
+// Narrow K items (cuda/mla_rope_cache.h kKNarrowMaxLatent): the 16-byte instances of shapes with
+// L <= 512 and R <= 128 at any T, every q_out type and model dtype; the widest instance for wider
+// shapes and for the element-wise path (rows padded by 3 elements).
+TEST_F(CudaFusedKernelChoice, KItemsNarrowForNarrowShapes) {
+  static_assert(cuda::kKNarrowMaxLatent == 512 && cuda::kKNarrowMaxRope == 128,
+                "the widths below are the limits");
+  struct Case {
+    FusedSpec spec;
+    const char* narrow;  // kKNarrow
+  };
+  std::vector<Case> cases;
+  for (const int64_t T : {int64_t{1}, int64_t{33}, cuda::kKTwoTokensMinTokens}) {
+    FusedSpec s = spec_of("dsv3_decode", Entry::kDecode, T, T);
+    s.name = "dsv3_decode_T" + std::to_string(T);
+    cases.push_back({s, "true"});
+    s.name = "dsv3_qout_e4m3_T" + std::to_string(T);
+    s.q_out_dtype = DType::kFloat8E4M3;
+    s.q_scale = 0.05f;
+    s.cache.format = CacheFormat::kFloat8E4M3;
+    s.cache.scale = 0.05f;
+    cases.push_back({s, "true"});
+    s = spec_of("l512_r128", Entry::kMixed, T, T / 2);
+    s.name = "l512_r128_T" + std::to_string(T);
+    s.shape = ModelShape{"l512r128", 2, 512, 128, 128};
+    cases.push_back({s, "true"});
+    s.name = "l512_r136_T" + std::to_string(T);
+    s.shape = ModelShape{"l512r136", 2, 512, 136, 128};
+    cases.push_back({s, "false"});
+    s.name = "l1024_qout_e4m3_T" + std::to_string(T);
+    s.shape = ModelShape{"l1024", 2, 1024, 64, 128};
+    s.q_out_dtype = DType::kFloat8E4M3;
+    s.q_scale = 0.05f;
+    cases.push_back({s, "false"});
+  }
+  FusedSpec s = spec_of("fp32_decode", Entry::kDecode, 8, 8);
+  s.model = DType::kFloat32;
+  cases.push_back({s, "true"});
+  s = spec_of("padded", Entry::kDecode, 8, 8);
+  s.row_pad = 3;
+  cases.push_back({s, "false"});
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.spec.name);
+    std::vector<std::string> args;
+    ASSERT_NO_FATAL_FAILURE(fused_kernel_arguments(kernels_of(c.spec), &args));
+    EXPECT_EQ(args[7], c.narrow) << args[3];
+  }
 }
 
 // The stride of a size-1 cache dim is never used, and validation hands the backend 0 for it: a

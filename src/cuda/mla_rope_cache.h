@@ -33,9 +33,18 @@ constexpr int kMlaResidentWarpsPerSm = 24;
 // is not monotonic in T), and at T = 1-32 the rows' round trip behind the position's lengthens the
 // launch's longest chain (3-6 % slower, eleventh session).
 constexpr int64_t kKTableFirstMinTokens = 1280;
-// From this many tokens on, in the table-first order with a 16-bit model, a K item holds two
-// tokens instead of one where a lane can hold both (L <= kKTwoTokensMaxLatent, R <=
-// kKTwoTokensMaxRope: the registers one token of the widest shape takes), each in the whole warp,
+// A narrow shape (L <= kKNarrowMaxLatent, R <= kKNarrowMaxRope: DeepSeek-V3, Kimi-K2 and their
+// kin) has K items that hold a token in half the registers of the widest shape (2 chunks and 2
+// rope pairs a lane instead of 4 and 4), an instance of its own. In the widest instance, the fp8
+// q_out kernels had spilled an in-flight load of the K item (the slot, or a rope pair) at 80
+// registers, so that the item waited for it before issuing its next loads: a third round trip
+// (docs/perf-notes.md, fiftieth session). The table-first order and K items of two tokens are
+// compiled for narrow shapes only; a wider shape runs one token an item, rows first.
+constexpr int64_t kKNarrowMaxLatent = 512;
+constexpr int64_t kKNarrowMaxRope = 128;
+// From this many tokens on, in the table-first order with a 16-bit model, a K item of a narrow
+// shape holds two tokens instead of one (two narrow tokens take the registers of one token of the
+// widest shape), each in the whole warp,
 // with every load of both in flight together. A K item waits for two round trips (slot and
 // position, then the cos/sin row) and moves only its token's 2.3 KB (DeepSeek-V3), so at a
 // tensor-parallel shard's head counts, where the K side is a third of the bytes, a warp had too
@@ -47,8 +56,6 @@ constexpr int64_t kKTableFirstMinTokens = 1280;
 // faster from 3072 on. On the H200 (thirty-ninth session, run 159, 128 heads): prefill T =
 // 4096-16384 2-3 % faster than the last table before two tokens (run 135).
 constexpr int64_t kKTwoTokensMinTokens = 1792;
-constexpr int64_t kKTwoTokensMaxLatent = 512;
-constexpr int64_t kKTwoTokensMaxRope = 128;
 static_assert(kKTwoTokensMinTokens >= kKTableFirstMinTokens,
               "K items of two tokens are compiled for the table-first order only");
 

@@ -88,9 +88,13 @@ constexpr int kMaxLatent = 1024;  // DESIGN.md: L <= 1024
 constexpr int kMaxLatentChunksPerLane = kMaxLatent / kChunkElems / kWarpSize;  // 4
 constexpr int kMaxRopePairsPerLane = 256 / 2 / kWarpSize;                      // R <= 256: 4
 constexpr int kRopeSlots = 8;
-// A K item of two tokens holds each in half of a lane's chunk and pair registers.
-static_assert(kKTwoTokensMaxLatent <= kMaxLatent / 2 && kKTwoTokensMaxRope <= 256 / 2,
-              "two tokens of the widest two-token shape fit a lane's registers for one token");
+// A narrow K item (mla_rope_cache.h kKNarrowMaxLatent) holds a token in half of a lane's chunk
+// and pair registers: 2 chunks and 2 pairs.
+constexpr int kNarrowLatentChunksPerLane = kKNarrowMaxLatent / kChunkElems / kWarpSize;  // 2
+constexpr int kNarrowRopePairsPerLane = kKNarrowMaxRope / 2 / kWarpSize;                 // 2
+static_assert(2 * kNarrowLatentChunksPerLane == kMaxLatentChunksPerLane &&
+                  2 * kNarrowRopePairsPerLane == kMaxRopePairsPerLane,
+              "two narrow tokens take a lane's registers for one token of the widest shape");
 // Chunks a lane stages in its warp's kStageBytes (bf16 / fp16: 16, fp32: 8).
 template <typename T>
 constexpr int kStageSlots = kStageBytes / kWarpSize / static_cast<int>(sizeof(Chunk<T>));
@@ -112,19 +116,21 @@ __device__ __forceinline__ float pick(const float (&a)[kMaxRopePairsPerLane], in
 
 // K item of kKTokens (1 or 2) tokens t0, t0 + 1 (those below T): each token is held by the whole
 // warp exactly as one token is, with every load of both tokens issued before the first is used, so
-// that a warp has twice the bytes in flight behind the same chain of round trips. Two tokens a
-// lane hold at most what one token of the widest shape holds: L <= 512 (2 chunks a lane a token)
-// and R <= 128 (2 pairs); the launcher takes them only there (mla_rope_cache.h
-// kKTwoTokensMinTokens).
-template <typename T, CacheFormat kFormat, bool kVec, int kKTokens, bool kKTableFirst>
+// that a warp has twice the bytes in flight behind the same chain of round trips. kKNarrow: a
+// narrow shape's registers, L <= 512 (2 chunks a lane a token) and R <= 128 (2 pairs); two tokens
+// are narrow (the launcher takes them only there, mla_rope_cache.h kKTwoTokensMinTokens).
+template <typename T, CacheFormat kFormat, bool kVec, int kKTokens, bool kKTableFirst,
+          bool kKNarrow>
 __device__ __forceinline__ void k_side_item(const MlaRopeCacheKernelParams& p, int64_t t0, int lane,
                                             T* w_smem, float cache_scale) {
   static_assert(kKTokens == 1 || kKTokens == 2, "a K item holds one or two tokens");
+  static_assert(kKTokens == 1 || kKNarrow, "two tokens a K item hold a narrow shape's registers");
   // w_smem: the warp's stage, where the RMSNorm weight row lands.
   using Latent = typename CacheTraits<kFormat>::Latent;
   using RopeT = typename CacheTraits<kFormat>::Rope;
-  constexpr int kChunks = kMaxLatentChunksPerLane / kKTokens;  // a lane's chunks of one token
-  constexpr int kPairs = kMaxRopePairsPerLane / kKTokens;      // a lane's rope pairs of one token
+  // A lane's chunks and rope pairs of one token.
+  constexpr int kChunks = kKNarrow ? kNarrowLatentChunksPerLane : kMaxLatentChunksPerLane;
+  constexpr int kPairs = kKNarrow ? kNarrowRopePairsPerLane : kMaxRopePairsPerLane;
   const core::MlaRopeCacheArgs& a = p.args;
   const int64_t L = a.kv_lora_rank;
   const int half = static_cast<int>(a.rope_dim / 2);
@@ -198,123 +204,146 @@ __device__ __forceinline__ void k_side_item(const MlaRopeCacheKernelParams& p, i
 
   // After the loads are in flight: the scale's divisor (fp8 caches; unused and dropped otherwise).
   const Divisor cache_div = make_divisor(cache_scale);
-  // Each token in turn: its rows split into elements, normalized, rotated and stored.
+  // Each token in turn: its latent (normalized, quantized, stored) and its rope pairs (rotated,
+  // stored). A narrow item of one token does the latent first, while the cos/sin entries (its last
+  // round trip: position -> table) are still in flight; the rope first put the latent's work (a
+  // divide and a convert per element for fp8 caches, the tile maxima for fp8_ds_mla) behind the
+  // table's arrival, on the launch's longest chain at small T.
 #pragma unroll
   for (int u = 0; u < kKTokens; ++u) {
     if (!live[u]) continue;
     const int64_t t = t0 + u;
-    Chunk<T> x[kChunks];
-#pragma unroll
-    for (int s = 0; s < kChunks; ++s) {
-      if (lane + kWarpSize * s < cpr) x[s] = finish_load_chunk<kVec, T>(x_in[u][s]);
-    }
-    Pair<T> r[kPairs];
-#pragma unroll
-    for (int j = 0; j < kPairs; ++j) {
-      if (lane + kWarpSize * j < half) r[j] = finish_load_pair<kVec, T>(r_in[u][j]);
-    }
-    float cs[kPairs], sn[kPairs];
-    table_values(a.rope, cs_in[u], cs);
-    table_values(a.rope, sn_in[u], sn);
-    if (has_norm) {
-      // The pairwise tree of the row's squares (device_common.cuh): slot s holds chunks 32s ..
-      // 32s + 31, one subtree of 256 elements; chunks past the row enter as +0.
-      float part[kChunks];
-#pragma unroll
-      for (int s = 0; s < kChunks; ++s) {
-        part[s] = lane + kWarpSize * s < cpr ? chunk_square_sum(x[s]) : 0.0f;
-      }
-      const float inv_rms = num::rms_inv(warp_slots_sum(part), L, a.kv_norm_eps);
-      if (kVec) cp_async_wait_all();  // this lane's own weight chunks have landed
-#pragma unroll
-      for (int s = 0; s < kChunks; ++s) {
-        const int k = lane + kWarpSize * s;
-        if (k < cpr) {
-          const Chunk<T> w = kVec ? *reinterpret_cast<const Chunk<T>*>(w_smem + k * kChunkElems)
-                                  : load_chunk<kVec>(weight + k * kChunkElems, kChunkElems);
-#pragma unroll
-          for (int e = 0; e < kChunkElems; ++e) {
-            x[s].v[e] = num::from_float<T>(
-                num::rms_apply(num::to_float(x[s].v[e]), inv_rms, num::to_float(w.v[e])));
-          }
-        }
-      }
-    }
-    if (p.apply_rope) {
-#pragma unroll
-      for (int j = 0; j < kPairs; ++j) {
-        if (lane + kWarpSize * j < half) r[j] = rotate_pair(r[j], cs[j], sn[j]);
-      }
-    }
-
-    if (a.kv_c_out != nullptr) {
-      T* out = static_cast<T*>(a.kv_c_out) + t * a.stride_kv_c_out_token;
-#pragma unroll
-      for (int s = 0; s < kChunks; ++s) {
-        const int k = lane + kWarpSize * s;
-        if (k < cpr) store_chunk<kVec>(out + k * kChunkElems, x[s], kChunkElems);
-      }
-    }
-    if (a.k_pe_out != nullptr) {
-      T* out = static_cast<T*>(a.k_pe_out) + t * a.stride_k_pe_out_token;
-#pragma unroll
-      for (int j = 0; j < kPairs; ++j) {
-        const int pr = lane + kWarpSize * j;
-        if (pr < half) {
-          store_pair<kVec>(out, pair_first(neox, pr), pair_second(neox, pr, half), !neox, r[j]);
-        }
-      }
-    }
-
     // The slot is the same on every lane: the whole warp skips or writes the entry together.
-    if (slot[u] < 0) continue;
-    if (slot[u] >= a.cache.num_slots) {
-      if (lane == 0) count_error(p.error_counts, kBadSlot);
-      continue;
+    const bool to_cache = slot[u] >= 0 && slot[u] < a.cache.num_slots;
+    if (slot[u] >= a.cache.num_slots && lane == 0) count_error(p.error_counts, kBadSlot);
+    EntryPtrs entry{};
+    if (to_cache) {
+      const int64_t block = slot[u] / a.cache.block_size;
+      entry = cache_entry_at<kFormat>(a.cache, block, slot[u] - block * a.cache.block_size, L);
     }
-    const int64_t block = slot[u] / a.cache.block_size;
-    const EntryPtrs entry =
-        cache_entry_at<kFormat>(a.cache, block, slot[u] - block * a.cache.block_size, L);
-    Latent* latent = reinterpret_cast<Latent*>(entry.latent);
-    if constexpr (kFormat == CacheFormat::kFloat8DsMla) {
-      constexpr int kLanesPerTile = static_cast<int>(kDsMlaTileElems / kChunkElems);  // 16
+
+    // The latent: normalized, written to kv_c_out, quantized into the entry.
+    auto latent_part = [&] {
+      Chunk<T> x[kChunks];
 #pragma unroll
       for (int s = 0; s < kChunks; ++s) {
-        // L = 512 (validated): 64 chunks, so s = 0, 1 hold a chunk on every lane and the shuffles
-        // see the full warp; tile k / 16 is held by an aligned group of 16 lanes.
-        if (kWarpSize * s < cpr) {
-          const int k = lane + kWarpSize * s;
-          float amax = 0.0f;
+        if (lane + kWarpSize * s < cpr) x[s] = finish_load_chunk<kVec, T>(x_in[u][s]);
+      }
+      if (has_norm) {
+        // The pairwise tree of the row's squares (device_common.cuh): slot s holds chunks 32s ..
+        // 32s + 31, one subtree of 256 elements; chunks past the row enter as +0.
+        float part[kChunks];
 #pragma unroll
-          for (int e = 0; e < kChunkElems; ++e)
-            amax = num::amax_update(amax, num::to_float(x[s].v[e]));
-          amax = group_max(amax, kLanesPerTile);
-          const float scale = num::ds_mla_tile_scale(amax, a.cache.ds_mla_pow2_scale);
-          store_chunk<kVec>(latent + k * kChunkElems,
-                            encode_chunk_each<Latent>(x[s], make_divisor(scale)), kChunkElems);
-          if (k % kLanesPerTile == 0) {
-            reinterpret_cast<float*>(entry.latent + kDsMlaLatentDim)[k / kLanesPerTile] = scale;
+        for (int s = 0; s < kChunks; ++s) {
+          part[s] = lane + kWarpSize * s < cpr ? chunk_square_sum(x[s]) : 0.0f;
+        }
+        const float inv_rms = num::rms_inv(warp_slots_sum(part), L, a.kv_norm_eps);
+        if (kVec) cp_async_wait_all();  // this lane's own weight chunks have landed
+#pragma unroll
+        for (int s = 0; s < kChunks; ++s) {
+          const int k = lane + kWarpSize * s;
+          if (k < cpr) {
+            const Chunk<T> w = kVec ? *reinterpret_cast<const Chunk<T>*>(w_smem + k * kChunkElems)
+                                    : load_chunk<kVec>(weight + k * kChunkElems, kChunkElems);
+#pragma unroll
+            for (int e = 0; e < kChunkElems; ++e) {
+              x[s].v[e] = num::from_float<T>(
+                  num::rms_apply(num::to_float(x[s].v[e]), inv_rms, num::to_float(w.v[e])));
+            }
           }
         }
       }
-    } else {
+      if (a.kv_c_out != nullptr) {
+        T* out = static_cast<T*>(a.kv_c_out) + t * a.stride_kv_c_out_token;
 #pragma unroll
-      for (int s = 0; s < kChunks; ++s) {
-        const int k = lane + kWarpSize * s;
-        if (k < cpr) {
-          store_chunk<kVec>(latent + k * kChunkElems, encode_chunk<Latent>(x[s], cache_div),
-                            kChunkElems);
+        for (int s = 0; s < kChunks; ++s) {
+          const int k = lane + kWarpSize * s;
+          if (k < cpr) store_chunk<kVec>(out + k * kChunkElems, x[s], kChunkElems);
         }
       }
-    }
-    RopeT* rope = reinterpret_cast<RopeT*>(entry.rope);
+      if (to_cache) {
+        Latent* latent = reinterpret_cast<Latent*>(entry.latent);
+        if constexpr (kFormat == CacheFormat::kFloat8DsMla) {
+          constexpr int kLanesPerTile = static_cast<int>(kDsMlaTileElems / kChunkElems);  // 16
 #pragma unroll
-    for (int j = 0; j < kPairs; ++j) {
-      const int pr = lane + kWarpSize * j;
-      if (pr < half) {
-        store_pair<kVec>(rope, pair_first(neox, pr), pair_second(neox, pr, half), !neox,
-                         encode_pair<RopeT>(r[j], cache_div));
+          for (int s = 0; s < kChunks; ++s) {
+            // L = 512 (validated): 64 chunks, so s = 0, 1 hold a chunk on every lane and the
+            // shuffles see the full warp; tile k / 16 is held by an aligned group of 16 lanes.
+            if (kWarpSize * s < cpr) {
+              const int k = lane + kWarpSize * s;
+              float amax = 0.0f;
+#pragma unroll
+              for (int e = 0; e < kChunkElems; ++e)
+                amax = num::amax_update(amax, num::to_float(x[s].v[e]));
+              amax = group_max(amax, kLanesPerTile);
+              const float scale = num::ds_mla_tile_scale(amax, a.cache.ds_mla_pow2_scale);
+              store_chunk<kVec>(latent + k * kChunkElems,
+                                encode_chunk_each<Latent>(x[s], make_divisor(scale)), kChunkElems);
+              if (k % kLanesPerTile == 0) {
+                reinterpret_cast<float*>(entry.latent + kDsMlaLatentDim)[k / kLanesPerTile] = scale;
+              }
+            }
+          }
+        } else {
+#pragma unroll
+          for (int s = 0; s < kChunks; ++s) {
+            const int k = lane + kWarpSize * s;
+            if (k < cpr) {
+              store_chunk<kVec>(latent + k * kChunkElems, encode_chunk<Latent>(x[s], cache_div),
+                                kChunkElems);
+            }
+          }
+        }
       }
+    };
+    // The rope pair: rotated, written to k_pe_out and into the entry.
+    auto rope_part = [&] {
+      Pair<T> r[kPairs];
+#pragma unroll
+      for (int j = 0; j < kPairs; ++j) {
+        if (lane + kWarpSize * j < half) r[j] = finish_load_pair<kVec, T>(r_in[u][j]);
+      }
+      if (p.apply_rope) {
+        float cs[kPairs], sn[kPairs];
+        table_values(a.rope, cs_in[u], cs);
+        table_values(a.rope, sn_in[u], sn);
+#pragma unroll
+        for (int j = 0; j < kPairs; ++j) {
+          if (lane + kWarpSize * j < half) r[j] = rotate_pair(r[j], cs[j], sn[j]);
+        }
+      }
+      if (a.k_pe_out != nullptr) {
+        T* out = static_cast<T*>(a.k_pe_out) + t * a.stride_k_pe_out_token;
+#pragma unroll
+        for (int j = 0; j < kPairs; ++j) {
+          const int pr = lane + kWarpSize * j;
+          if (pr < half) {
+            store_pair<kVec>(out, pair_first(neox, pr), pair_second(neox, pr, half), !neox, r[j]);
+          }
+        }
+      }
+      if (to_cache) {
+        RopeT* rope = reinterpret_cast<RopeT*>(entry.rope);
+#pragma unroll
+        for (int j = 0; j < kPairs; ++j) {
+          const int pr = lane + kWarpSize * j;
+          if (pr < half) {
+            store_pair<kVec>(rope, pair_first(neox, pr), pair_second(neox, pr, half), !neox,
+                             encode_pair<RopeT>(r[j], cache_div));
+          }
+        }
+      }
+    };
+    if constexpr (kKTokens == 1 && kKNarrow) {
+      latent_part();
+      rope_part();
+    } else {
+      // Two tokens (large launches, which hide the table's round trip behind other warps) and the
+      // widest shapes: the rope first holds fewer registers across the token's work. The latent
+      // first spilled the fp8 caches' two-token instances and the fp8 q_out's widest ones at 80
+      // registers (ptxas, sm_90a).
+      rope_part();
+      latent_part();
     }
   }
 }
@@ -704,9 +733,10 @@ static_assert(kMlaMinBlocks<num::Bf16, CacheFormat::kBFloat16, num::Bf16, true> 
 // kKTokens: the tokens of a K item (k_side_item; 2 in large launches of narrow shapes,
 // mla_rope_cache.h kKTwoTokensMinTokens). kKTableFirst: the K items' order of large launches
 // (k_side_item). kRopeInCopy (16-byte path, q_out of the model dtype): the decode copy items also
-// rotate their rows' rope parts (p.decode_rope_in_copy, copy_item).
+// rotate their rows' rope parts (p.decode_rope_in_copy, copy_item). kKNarrow: the K items'
+// registers of a narrow shape (mla_rope_cache.h kKNarrowMaxLatent).
 template <typename T, CacheFormat kFormat, typename QOut, bool kVec, int kKTokens,
-          bool kKTableFirst, bool kRopeInCopy>
+          bool kKTableFirst, bool kRopeInCopy, bool kKNarrow>
 __global__ void __launch_bounds__(kMlaThreads, (kMlaMinBlocks<T, kFormat, QOut, kVec>))
     mla_rope_cache_kernel(const __grid_constant__ MlaRopeCacheKernelParams p) {
   // Each warp's stage: its K item's RMSNorm weight, or the chunks of its rope or copy item.
@@ -747,7 +777,7 @@ __global__ void __launch_bounds__(kMlaThreads, (kMlaMinBlocks<T, kFormat, QOut, 
   unsigned char* const my_stage = stage_bytes[warp];
   Chunk<T>* const stage = reinterpret_cast<Chunk<T>*>(my_stage);
   if (i < p.num_k_items) {
-    mla_detail::k_side_item<T, kFormat, kVec, kKTokens, kKTableFirst>(
+    mla_detail::k_side_item<T, kFormat, kVec, kKTokens, kKTableFirst, kKNarrow>(
         p, i * kKTokens, lane, reinterpret_cast<T*>(my_stage), cache_scale);
     return;
   }
@@ -788,48 +818,61 @@ void launch_mla_rope_cache_kernel(const MlaRopeCacheKernelParams& params, const 
   // Each choice is its own kernel, so that the others keep their registers and schedule. The rope
   // parts in the copy items (mla_rope_cache.h kRopeInCopyMinTokens) are compiled for the 16-byte
   // path with q_out of the model dtype only (an fp8 q_out was measured slower with them).
-  auto go = [&](auto k_tokens_tag, auto table_first_tag) {
+  auto go = [&](auto k_tokens_tag, auto table_first_tag, auto narrow_tag) {
     constexpr int kKTokens = decltype(k_tokens_tag)::value;
     constexpr bool kTableFirst = decltype(table_first_tag)::value;
+    constexpr bool kNarrow = decltype(narrow_tag)::value;
     if constexpr (kVec && std::is_same_v<QOut, T>) {
       if (params.decode_rope_in_copy) {
-        launch_kernel("mla_rope_cache_kernel",
-                      mla_rope_cache_kernel<T, kFormat, QOut, kVec, kKTokens, kTableFirst, true>,
-                      static_cast<unsigned>(grid), kMlaThreads, 0, launch, params);
+        launch_kernel(
+            "mla_rope_cache_kernel",
+            mla_rope_cache_kernel<T, kFormat, QOut, kVec, kKTokens, kTableFirst, true, kNarrow>,
+            static_cast<unsigned>(grid), kMlaThreads, 0, launch, params);
         return;
       }
     }
-    launch_kernel("mla_rope_cache_kernel",
-                  mla_rope_cache_kernel<T, kFormat, QOut, kVec, kKTokens, kTableFirst, false>,
-                  static_cast<unsigned>(grid), kMlaThreads, 0, launch, params);
+    launch_kernel(
+        "mla_rope_cache_kernel",
+        mla_rope_cache_kernel<T, kFormat, QOut, kVec, kKTokens, kTableFirst, false, kNarrow>,
+        static_cast<unsigned>(grid), kMlaThreads, 0, launch, params);
   };
+  // The narrow K items (mla_rope_cache.h kKNarrowMaxLatent) are compiled for the 16-byte path;
+  // the element-wise path keeps one instance, the widest.
+  const bool narrow = kVec && params.args.kv_lora_rank <= kKNarrowMaxLatent &&
+                      params.args.rope_dim <= kKNarrowMaxRope;
   // The K items' table-first order (mla_rope_cache.h kKTableFirstMinTokens) is compiled for the
   // 16-byte path with q_out of the model dtype or no q_out only (the workloads it was measured on),
-  // and K items of two tokens (make_params, kKTwoTokensMinTokens) for its 16-bit models only.
+  // and for narrow shapes only; K items of two tokens (make_params, kKTwoTokensMinTokens) for its
+  // 16-bit models only.
   constexpr bool kTableFirstCompiled = kVec && std::is_same_v<QOut, T>;
-  const bool table_first = kTableFirstCompiled && params.apply_rope && params.num_k_items > 0 &&
+  const bool table_first = kTableFirstCompiled && narrow && params.apply_rope &&
+                           params.num_k_items > 0 &&
                            params.args.num_tokens >= kKTableFirstMinTokens;
   // num_k_items counts items of two tokens: only their instance may run them.
-  MLAKV_CHECK(!params.k_two_tokens || (table_first && sizeof(T) == 2 &&
-                                       params.args.kv_lora_rank <= kKTwoTokensMaxLatent &&
-                                       params.args.rope_dim <= kKTwoTokensMaxRope),
+  MLAKV_CHECK(!params.k_two_tokens || (table_first && sizeof(T) == 2),
               "mla_rope_cache: K items of two tokens are compiled for the table-first order of "
               "16-bit models with L <= ",
-              kKTwoTokensMaxLatent, " and R <= ", kKTwoTokensMaxRope);
+              kKNarrowMaxLatent, " and R <= ", kKNarrowMaxRope);
   using OneToken = std::integral_constant<int, 1>;
-  if constexpr (kTableFirstCompiled) {
-    if (table_first) {
-      if constexpr (sizeof(T) == 2) {
-        if (params.k_two_tokens) {
-          go(std::integral_constant<int, 2>{}, std::true_type{});
+  if constexpr (kVec) {
+    if (narrow) {
+      if constexpr (kTableFirstCompiled) {
+        if (table_first) {
+          if constexpr (sizeof(T) == 2) {
+            if (params.k_two_tokens) {
+              go(std::integral_constant<int, 2>{}, std::true_type{}, std::true_type{});
+              return;
+            }
+          }
+          go(OneToken{}, std::true_type{}, std::true_type{});
           return;
         }
       }
-      go(OneToken{}, std::true_type{});
+      go(OneToken{}, std::false_type{}, std::true_type{});
       return;
     }
   }
-  go(OneToken{}, std::false_type{});
+  go(OneToken{}, std::false_type{}, std::false_type{});
 }
 
 }  // namespace cuda
