@@ -25,13 +25,14 @@ constexpr int kMlaResidentWarpsPerSm = 24;
 
 // From this many tokens on, a launch's K items wait for their position and request its cos/sin
 // entries before their rows, instead of requesting the rows first and the cos/sin entries when the
-// position has arrived (the 16-byte path with q_out of the model dtype or no q_out; both orders
-// wait the same two round trips). On the H200 (docs/perf-notes.md, sixteenth session, runs
-// 52-56), table first: decode_nope_in_q_out T = 2048 25.3 -> 24.8 us, prefill T = 2048 25.3 ->
-// 24.9 us, T = 1280-1920 every row faster or equal (decode_nope_in_q_out and prefill up to 3 %),
-// T = 4096-8192 within 0.6 % either way; at T = 512 and 1024 1-3 % slower (not at 768: the gain
-// is not monotonic in T), and at T = 1-32 the rows' round trip behind the position's lengthens the
-// launch's longest chain (3-6 % slower, eleventh session).
+// position has arrived (the 16-byte path with q_out of the model dtype or no q_out, narrow shapes:
+// kKNarrowMaxLatent below; both orders wait the same two round trips). On the H200
+// (docs/perf-notes.md, sixteenth session, runs 52-56), table first: decode_nope_in_q_out T =
+// 2048 25.3 -> 24.8 us, prefill T = 2048 25.3 -> 24.9 us, T = 1280-1920 every row faster or equal
+// (decode_nope_in_q_out and prefill up to 3 %), T = 4096-8192 within 0.6 % either way; at T = 512
+// and 1024 1-3 % slower (not at 768: the gain is not monotonic in T), and at T = 1-32 the rows'
+// round trip behind the position's lengthens the launch's longest chain (3-6 % slower, eleventh
+// session).
 constexpr int64_t kKTableFirstMinTokens = 1280;
 // A narrow shape (L <= kKNarrowMaxLatent, R <= kKNarrowMaxRope: DeepSeek-V3, Kimi-K2 and their
 // kin) has K items that hold a token in half the registers of the widest shape (2 chunks and 2
@@ -44,17 +45,16 @@ constexpr int64_t kKNarrowMaxLatent = 512;
 constexpr int64_t kKNarrowMaxRope = 128;
 // From this many tokens on, in the table-first order with a 16-bit model, a K item of a narrow
 // shape holds two tokens instead of one (two narrow tokens take the registers of one token of the
-// widest shape), each in the whole warp,
-// with every load of both in flight together. A K item waits for two round trips (slot and
-// position, then the cos/sin row) and moves only its token's 2.3 KB (DeepSeek-V3), so at a
-// tensor-parallel shard's head counts, where the K side is a third of the bytes, a warp had too
-// little in flight. docs/perf-notes.md, thirty-eighth session (H100): on the K-heavy rows at 16
-// heads (prefill, decode with the nope part in q_out), two tokens were 4-6 % faster than one from
-// T = 4096 on (run 151); with the threshold moved (runs 152-153), 8-10 % faster at T = 1792 and
-// 2048, 4-5 % at 3584, up to 1 % slower at 2560 and 3072 (where decode with RMSNorm was 1-4 %
-// faster), and up to 2 % slower at 1280 and 1536. At 128 heads: within 0.5 % at 1280-2048, 1-2 %
-// faster from 3072 on. On the H200 (thirty-ninth session, run 159, 128 heads): prefill T =
-// 4096-16384 2-3 % faster than the last table before two tokens (run 135).
+// widest shape), each in the whole warp, with every load of both in flight together. A K item waits
+// for two round trips (slot and position, then the cos/sin row) and moves only its token's 2.3 KB
+// (DeepSeek-V3), so at a tensor-parallel shard's head counts, where the K side is a third of the
+// bytes, a warp had too little in flight. docs/perf-notes.md, thirty-eighth session (H100): on the
+// K-heavy rows at 16 heads (prefill, decode with the nope part in q_out), two tokens were 4-6 %
+// faster than one from T = 4096 on (run 151); with the threshold moved (runs 152-153), 8-10 %
+// faster at T = 1792 and 2048, 4-5 % at 3584, up to 1 % slower at 2560 and 3072 (where decode with
+// RMSNorm was 1-4 % faster), and up to 2 % slower at 1280 and 1536. At 128 heads: within 0.5 % at
+// 1280-2048, 1-2 % faster from 3072 on. On the H200 (thirty-ninth session, run 159, 128 heads):
+// prefill T = 4096-16384 2-3 % faster than the last table before two tokens (run 135).
 constexpr int64_t kKTwoTokensMinTokens = 1792;
 static_assert(kKTwoTokensMinTokens >= kKTableFirstMinTokens,
               "K items of two tokens are compiled for the table-first order only");

@@ -147,8 +147,8 @@ __device__ __forceinline__ void k_side_item(const MlaRopeCacheKernelParams& p, i
   // (ahead of the rows: it heads the item's longest chain, position -> cos/sin -> cache entry),
   // then the rows. The position is clamped (and counted, which keeps the compiler from hoisting
   // later loads above the test) and the cos/sin entries requested after the rows, so that the
-  // position's round trip overlaps the rows'; with kKTableFirst (large launches, mla_rope_cache.h
-  // kKTableFirstMinTokens) before them, so that the rows wait behind the position.
+  // position's round trip overlaps the rows'; with kKTableFirst (large launches of narrow shapes,
+  // mla_rope_cache.h kKTableFirstMinTokens) before them, so that the rows wait behind the position.
   int64_t slot[kKTokens], raw_pos[kKTokens];
 #pragma unroll
   for (int u = 0; u < kKTokens; ++u) {
@@ -205,10 +205,12 @@ __device__ __forceinline__ void k_side_item(const MlaRopeCacheKernelParams& p, i
   // After the loads are in flight: the scale's divisor (fp8 caches; unused and dropped otherwise).
   const Divisor cache_div = make_divisor(cache_scale);
   // Each token in turn: its latent (normalized, quantized, stored) and its rope pairs (rotated,
-  // stored). A narrow item of one token does the latent first, while the cos/sin entries (its last
-  // round trip: position -> table) are still in flight; the rope first put the latent's work (a
-  // divide and a convert per element for fp8 caches, the tile maxima for fp8_ds_mla) behind the
-  // table's arrival, on the launch's longest chain at small T.
+  // stored). A narrow item of one token does the latent first, while its cos/sin entries may still
+  // be in flight (in the rows-first order of small launches they are its last round trip: position
+  // -> table); the rope first put the latent's work (a divide and a convert per element for fp8
+  // caches, the tile maxima for fp8_ds_mla) behind the table's arrival, on the launch's longest
+  // chain at small T. In table-first launches the order was not measured apart: they are large,
+  // and bytes-bound.
 #pragma unroll
   for (int u = 0; u < kKTokens; ++u) {
     if (!live[u]) continue;
@@ -338,10 +340,9 @@ __device__ __forceinline__ void k_side_item(const MlaRopeCacheKernelParams& p, i
       latent_part();
       rope_part();
     } else {
-      // Two tokens (large launches, which hide the table's round trip behind other warps) and the
-      // widest shapes: the rope first holds fewer registers across the token's work. The latent
-      // first spilled the fp8 caches' two-token instances and the fp8 q_out's widest ones at 80
-      // registers (ptxas, sm_90a).
+      // Two tokens and the widest shapes: the rope first, for registers. The latent first spilled
+      // the fp8 caches' two-token instances and the fp8 q_out's widest ones at 80 registers
+      // (ptxas, sm_90a), and a spilled in-flight load stalls the item until it arrives.
       rope_part();
       latent_part();
     }
