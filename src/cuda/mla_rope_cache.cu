@@ -123,8 +123,7 @@ MlaRopeCacheKernelParams make_params(const core::MlaRopeCacheArgs& a, bool apply
   // instance of a 16-bit model: the 16-byte path with rotation and q_out of the model dtype or
   // none.
   p.k_two_tokens = a.kv_c != nullptr && vec && apply_rope && elem_bytes == 2 &&
-                   T >= kKTwoTokensMinTokens && a.kv_lora_rank <= kKNarrowMaxLatent &&
-                   a.rope_dim <= kKNarrowMaxRope &&
+                   T >= kKTwoTokensMinTokens && k_items_narrow(a.kv_lora_rank, a.rope_dim) &&
                    (a.q_out == nullptr || a.q_out_dtype == a.model_dtype);
   p.num_k_items = a.kv_c != nullptr ? (p.k_two_tokens ? ceil_div(T, 2) : T) : 0;
 

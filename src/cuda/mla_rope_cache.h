@@ -43,6 +43,10 @@ constexpr int64_t kKTableFirstMinTokens = 1280;
 // compiled for narrow shapes only; a wider shape runs one token an item, rows first.
 constexpr int64_t kKNarrowMaxLatent = 512;
 constexpr int64_t kKNarrowMaxRope = 128;
+// The launcher's and make_params' one test of a narrow shape.
+constexpr bool k_items_narrow(int64_t kv_lora_rank, int64_t rope_dim) {
+  return kv_lora_rank <= kKNarrowMaxLatent && rope_dim <= kKNarrowMaxRope;
+}
 // From this many tokens on, in the table-first order with a 16-bit model, a K item of a narrow
 // shape holds two tokens instead of one (two narrow tokens take the registers of one token of the
 // widest shape), each in the whole warp, with every load of both in flight together. A K item waits

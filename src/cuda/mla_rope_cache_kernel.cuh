@@ -837,10 +837,9 @@ void launch_mla_rope_cache_kernel(const MlaRopeCacheKernelParams& params, const 
         mla_rope_cache_kernel<T, kFormat, QOut, kVec, kKTokens, kTableFirst, false, kNarrow>,
         static_cast<unsigned>(grid), kMlaThreads, 0, launch, params);
   };
-  // The narrow K items (mla_rope_cache.h kKNarrowMaxLatent) are compiled for the 16-byte path;
-  // the element-wise path keeps one instance, the widest.
-  const bool narrow = kVec && params.args.kv_lora_rank <= kKNarrowMaxLatent &&
-                      params.args.rope_dim <= kKNarrowMaxRope;
+  // The narrow K items (mla_rope_cache.h kKNarrowMaxLatent) are compiled for the 16-byte path
+  // (below); the element-wise path keeps one instance, the widest.
+  const bool narrow = k_items_narrow(params.args.kv_lora_rank, params.args.rope_dim);
   // The K items' table-first order (mla_rope_cache.h kKTableFirstMinTokens) is compiled for the
   // 16-byte path with q_out of the model dtype or no q_out only (the workloads it was measured on),
   // and for narrow shapes only; K items of two tokens (make_params, kKTwoTokensMinTokens) for its
